@@ -1,0 +1,95 @@
+//! The crate's error type: every variant that involves a peer names it (rank and address).
+
+use std::fmt;
+use std::time::Duration;
+
+/// A peer of this rank: its rank and the host address it was reached at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// The peer's rank in the communicator.
+    pub rank: usize,
+    /// The peer's host address (as the bootstrap saw it).
+    pub addr: String,
+}
+
+impl fmt::Display for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} ({})", self.rank, self.addr)
+    }
+}
+
+/// Everything that can go wrong in rdmacomm.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No usable RDMA device on this host.
+    #[error("no usable RDMA device: {0}")]
+    NoDevice(String),
+    /// A verbs call failed.
+    #[error("verbs {op} failed: {detail}")]
+    Verbs {
+        /// What was being done.
+        op: &'static str,
+        /// The error, in words.
+        detail: String,
+    },
+    /// Memory registration failed because the locked-memory limit is too low.
+    #[error(
+        "could not register {bytes} bytes of memory: {detail}; the locked-memory limit is too low \
+         (now {limit}): raise it with `ulimit -l unlimited` (or memlock in /etc/security/limits.conf, \
+         or LimitMEMLOCK=infinity for systemd / --ulimit memlock=-1 for containers)"
+    )]
+    MemLock {
+        /// Bytes requested.
+        bytes: usize,
+        /// The current RLIMIT_MEMLOCK, in words.
+        limit: String,
+        /// The verbs error.
+        detail: String,
+    },
+    /// The caller passed something that cannot work; the message says what to fix.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The configuration (environment or builder) is wrong or incomplete.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// Bootstrap (rendezvous over TCP) failed.
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+    /// A peer failed: its connection broke or an RDMA operation to it failed.
+    #[error("peer {peer} failed: {reason}")]
+    PeerFailed {
+        /// The lost peer.
+        peer: Peer,
+        /// What happened.
+        reason: String,
+    },
+    /// Waiting on a peer took longer than the configured timeout.
+    #[error("timed out after {after:?} waiting for peer {peer} ({what}); set RDMACOMM_TIMEOUT to wait longer")]
+    Timeout {
+        /// The peer waited on.
+        peer: Peer,
+        /// What was awaited.
+        what: String,
+        /// The timeout in force.
+        after: Duration,
+    },
+    /// The communicator failed earlier and refuses further work.
+    #[error("communicator is unusable after an earlier failure: {0}")]
+    Poisoned(String),
+    /// An I/O error outside a peer's context.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Result with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// The peer this error names, if any.
+    pub fn peer(&self) -> Option<&Peer> {
+        match self {
+            Error::PeerFailed { peer, .. } | Error::Timeout { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Element-wise reduction kernels for every [`DType`] x [`AllReduce`].
+//!
+//! `acc[i] = op(acc[i], src[i])`. The loops are written so LLVM vectorizes them; each is compiled
+//! twice, for the x86-64 baseline (SSE2) and for AVX2+FMA, and the AVX2 copy is chosen at run time
+//! when the CPU has it (no `-C target-cpu=native` needed). f16 and bf16 are widened to f32, combined,
+//! and rounded back to nearest-even. Floats: a NaN operand gives NaN for every op. Integers wrap.
+
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Result};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+/// One element type's combine rules.
+trait Elem: Copy + bytemuck::Pod {
+    fn sum(a: Self, b: Self) -> Self;
+    fn prod(a: Self, b: Self) -> Self;
+    fn min(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+}
+
+macro_rules! int_elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            #[inline(always)] fn sum(a: Self, b: Self) -> Self { a.wrapping_add(b) }
+            #[inline(always)] fn prod(a: Self, b: Self) -> Self { a.wrapping_mul(b) }
+            #[inline(always)] fn min(a: Self, b: Self) -> Self { if b < a { b } else { a } }
+            #[inline(always)] fn max(a: Self, b: Self) -> Self { if b > a { b } else { a } }
+        }
+    )*};
+}
+int_elem!(i8, u8, i32, u32, i64, u64);
+
+macro_rules! float_elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            #[inline(always)] fn sum(a: Self, b: Self) -> Self { a + b }
+            #[inline(always)] fn prod(a: Self, b: Self) -> Self { a * b }
+            // NaN in a: a; NaN in b: the comparison is false, so b.
+            #[allow(clippy::eq_op)]
+            #[inline(always)] fn min(a: Self, b: Self) -> Self { if a != a || a < b { a } else { b } }
+            #[allow(clippy::eq_op)]
+            #[inline(always)] fn max(a: Self, b: Self) -> Self { if a != a || a > b { a } else { b } }
+        }
+    )*};
+}
+float_elem!(f32, f64);
+
+#[inline(always)]
+fn combine<T: Elem>(op: AllReduce, acc: &mut [T], src: &[T]) {
+    // Written as four loops with the op inlined so each vectorizes.
+    match op {
+        AllReduce::Sum => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::sum(*a, *b)),
+        AllReduce::Prod => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::prod(*a, *b)),
+        AllReduce::Min => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::min(*a, *b)),
+        AllReduce::Max => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::max(*a, *b)),
+    }
+}
+
+/// bf16 -> f32 (exact).
+#[inline(always)]
+fn bf16_bits_to_f32(x: u16) -> f32 {
+    f32::from_bits((x as u32) << 16)
+}
+
+/// f32 -> bf16, round to nearest even; NaN stays NaN (quiet).
+#[inline(always)]
+fn f32_to_bf16_bits(f: f32) -> u16 {
+    let b = f.to_bits();
+    let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if nan {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        rounded
+    }
+}
+
+#[inline(always)]
+fn combine_bf16(op: AllReduce, acc: &mut [u16], src: &[u16]) {
+    const BLOCK: usize = 512;
+    let mut a32 = [0f32; BLOCK];
+    let mut b32 = [0f32; BLOCK];
+    for (ac, sc) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let n = ac.len();
+        for i in 0..n {
+            a32[i] = bf16_bits_to_f32(ac[i]);
+            b32[i] = bf16_bits_to_f32(sc[i]);
+        }
+        combine::<f32>(op, &mut a32[..n], &b32[..n]);
+        for i in 0..n {
+            ac[i] = f32_to_bf16_bits(a32[i]);
+        }
+    }
+}
+
+#[inline(always)]
+fn combine_f16(op: AllReduce, acc: &mut [f16], src: &[f16]) {
+    const BLOCK: usize = 512;
+    let mut a32 = [0f32; BLOCK];
+    let mut b32 = [0f32; BLOCK];
+    for (ac, sc) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let n = ac.len();
+        ac.convert_to_f32_slice(&mut a32[..n]);
+        sc.convert_to_f32_slice(&mut b32[..n]);
+        combine::<f32>(op, &mut a32[..n], &b32[..n]);
+        ac.convert_from_f32_slice(&a32[..n]);
+    }
+}
+
+/// Dispatches on dtype over aligned, equal-length byte slices.
+#[inline(always)]
+fn combine_bytes(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
+    use bytemuck::{cast_slice as c, cast_slice_mut as m};
+    match dtype {
+        DType::f32 => combine::<f32>(op, m(acc), c(src)),
+        DType::f64 => combine::<f64>(op, m(acc), c(src)),
+        DType::f16 => combine_f16(op, m(acc), c(src)),
+        DType::bf16 => combine_bf16(op, m(acc), c(src)),
+        DType::i8 => combine::<i8>(op, m(acc), c(src)),
+        DType::u8 => combine::<u8>(op, acc, src),
+        DType::i32 => combine::<i32>(op, m(acc), c(src)),
+        DType::u32 => combine::<u32>(op, m(acc), c(src)),
+        DType::i64 => combine::<i64>(op, m(acc), c(src)),
+        DType::u64 => combine::<u64>(op, m(acc), c(src)),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn combine_bytes_avx2(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
+    combine_bytes(op, dtype, acc, src)
+}
+
+fn combine_dispatch(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        // SAFETY: simd_level() verified at run time that this CPU has AVX2, FMA and F16C.
+        unsafe { combine_bytes_avx2(op, dtype, acc, src) };
+        return;
+    }
+    combine_bytes(op, dtype, acc, src)
+}
+
+/// The instruction set the kernels use on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimdLevel {
+    /// The architecture's baseline (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+}
+
+/// Detects (once) which kernel copy this CPU runs. `RDMACOMM_SIMD=baseline` forces the baseline.
+pub fn simd_level() -> SimdLevel {
+    use std::sync::OnceLock;
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        if std::env::var("RDMACOMM_SIMD").is_ok_and(|v| v == "baseline") {
+            return SimdLevel::Baseline;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return SimdLevel::Avx2;
+        }
+        SimdLevel::Baseline
+    })
+}
+
+/// `acc = op(acc, src)` element-wise. Lengths must be equal and whole elements of `dtype`.
+/// Either slice may be unaligned for the dtype (then it is staged through an aligned buffer).
+pub fn reduce_into(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) -> Result<()> {
+    if acc.len() != src.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reduce: accumulator has {} bytes but source has {}",
+            acc.len(),
+            src.len()
+        )));
+    }
+    dtype.check_len(acc.len(), "reduce buffer")?;
+    reduce_unchecked(op, dtype, acc, src);
+    Ok(())
+}
+
+/// [`reduce_into`] without the checks, for the collectives' hot path (lengths already validated).
+pub(crate) fn reduce_unchecked(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
+    debug_assert_eq!(acc.len(), src.len());
+    let align = dtype.size();
+    if (acc.as_ptr() as usize) % align == 0 && (src.as_ptr() as usize) % align == 0 {
+        combine_dispatch(op, dtype, acc, src);
+        return;
+    }
+    // Unaligned: stage through aligned blocks.
+    const BLOCK: usize = 4096;
+    let mut a = [0u64; BLOCK / 8];
+    let mut b = [0u64; BLOCK / 8];
+    for (ac, sc) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
+        let n = ac.len();
+        let ab = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut a)[..n];
+        let bb = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut b)[..n];
+        ab.copy_from_slice(ac);
+        bb.copy_from_slice(sc);
+        combine_dispatch(op, dtype, ab, bb);
+        ac.copy_from_slice(ab);
+    }
+}
+
+/// The scalar reference of one combine, element by element (used by tests and `-c` checks):
+/// independent of the vector kernels (bf16/f16 rounding by the `half` crate).
+pub mod reference {
+    use super::*;
+
+    macro_rules! scalar_ops {
+        ($name:ident, $t:ty, float) => {
+            /// Scalar combine for this type.
+            pub fn $name(op: AllReduce, a: $t, b: $t) -> $t {
+                if a.is_nan() || b.is_nan() {
+                    return <$t>::NAN;
+                }
+                match op {
+                    AllReduce::Sum => a + b,
+                    AllReduce::Prod => a * b,
+                    AllReduce::Min => a.min(b),
+                    AllReduce::Max => a.max(b),
+                }
+            }
+        };
+        ($name:ident, $t:ty, int) => {
+            /// Scalar combine for this type.
+            pub fn $name(op: AllReduce, a: $t, b: $t) -> $t {
+                match op {
+                    AllReduce::Sum => a.wrapping_add(b),
+                    AllReduce::Prod => a.wrapping_mul(b),
+                    AllReduce::Min => std::cmp::min(a, b),
+                    AllReduce::Max => std::cmp::max(a, b),
+                }
+            }
+        };
+    }
+    scalar_ops!(f32_op, f32, float);
+    scalar_ops!(f64_op, f64, float);
+    scalar_ops!(i8_op, i8, int);
+    scalar_ops!(u8_op, u8, int);
+    scalar_ops!(i32_op, i32, int);
+    scalar_ops!(u32_op, u32, int);
+    scalar_ops!(i64_op, i64, int);
+    scalar_ops!(u64_op, u64, int);
+
+    /// f16 combine: in f32, rounded by `half`.
+    pub fn f16_op(op: AllReduce, a: f16, b: f16) -> f16 {
+        f16::from_f32(f32_op(op, a.to_f32(), b.to_f32()))
+    }
+
+    /// bf16 combine: in f32, rounded by `half`.
+    pub fn bf16_op(op: AllReduce, a: bf16, b: bf16) -> bf16 {
+        bf16::from_f32(f32_op(op, a.to_f32(), b.to_f32()))
+    }
+}

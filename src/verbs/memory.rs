@@ -1,0 +1,140 @@
+//! Page-aligned memory registered with the HCA: the allocation and its MR, owned together.
+
+use crate::error::{Error, Result};
+use sideway::ibverbs::memory_region::{MemoryRegion, RegisterMemoryRegionErrorKind};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::AccessFlags;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// A zeroed, page-aligned buffer registered for local and remote write.
+/// The MR is released before the memory (field order), and the owner of every QP that may
+/// point into it must drop those QPs first (see `transport::rdma`).
+pub struct RegisteredBuffer {
+    mr: Option<Arc<MemoryRegion>>,
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; access is through &/&mut self or raw
+// pointers whose use the owner synchronizes.
+unsafe impl Send for RegisteredBuffer {}
+// SAFETY: as above; shared references only read the MR's keys and the base address.
+unsafe impl Sync for RegisteredBuffer {}
+
+impl RegisteredBuffer {
+    /// Allocates `len` bytes (rounded up to a page) and registers them on `pd`.
+    pub fn new(pd: &Arc<ProtectionDomain>, len: usize) -> Result<Self> {
+        let len = len.max(1).next_multiple_of(4096);
+        let layout = Layout::from_size_align(len, 4096)
+            .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| Error::Verbs {
+            op: "allocate",
+            detail: format!("out of memory allocating {len} bytes"),
+        })?;
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        // SAFETY: ptr is valid for len bytes and outlives the MR (the MR is dropped first in Drop).
+        let mr = match unsafe { pd.reg_mr(ptr.as_ptr() as usize, len, access) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                // SAFETY: allocated above with this layout and not registered.
+                unsafe { dealloc(ptr.as_ptr(), layout) };
+                let os = match &e.0 {
+                    RegisterMemoryRegionErrorKind::Ibverbs(io) => io.raw_os_error(),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                };
+                return Err(registration_error(len, &format!("{e}: {:?}", e.0), os));
+            }
+        };
+        Ok(RegisteredBuffer { mr: Some(mr), ptr, layout })
+    }
+
+    /// The base address (what a peer writes to).
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr.as_ref().map_or(0, |m| m.lkey())
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.mr.as_ref().map_or(0, |m| m.rkey())
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Whether the buffer is empty (never: at least a page).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// A raw pointer to byte `off`; the caller keeps it within the buffer.
+    pub fn ptr_at(&self, off: usize) -> *mut u8 {
+        debug_assert!(off <= self.len());
+        // SAFETY: off is within the allocation (checked in debug builds; callers compute it from
+        // slot geometry that fits the buffer).
+        unsafe { self.ptr.as_ptr().add(off) }
+    }
+
+    /// Bytes `off..off+len` as a slice.
+    ///
+    /// The region must not be written concurrently (by the HCA or otherwise) while the slice
+    /// lives; the transport's credit protocol guarantees that for slots it hands out.
+    pub fn slice(&self, off: usize, len: usize) -> &[u8] {
+        assert!(off + len <= self.len(), "slice out of registered buffer");
+        // SAFETY: in bounds (asserted); no concurrent writer by the protocol (see above).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+    }
+
+    /// Bytes `off..off+len` as a mutable slice (same rule as [`RegisteredBuffer::slice`]).
+    #[allow(clippy::mut_from_ref)]
+    pub fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
+        assert!(off + len <= self.len(), "slice out of registered buffer");
+        // SAFETY: in bounds (asserted); the caller holds the only view of this region.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        // Deregister first (the Arc is never cloned out of this value), then free the memory.
+        drop(self.mr.take());
+        // SAFETY: allocated in new() with this layout; the MR covering it is gone.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// The current RLIMIT_MEMLOCK in words.
+pub fn memlock_limit() -> String {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into rl.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } != 0 {
+        return "unknown".into();
+    }
+    if rl.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".into()
+    } else {
+        format!("{} KiB", rl.rlim_cur / 1024)
+    }
+}
+
+fn registration_error(len: usize, detail: &str, os: Option<i32>) -> Error {
+    let detail = detail.to_string();
+    let limit = memlock_limit();
+    let lock_problem = matches!(os, Some(libc::ENOMEM) | Some(libc::EPERM) | Some(libc::EAGAIN));
+    if lock_problem && limit != "unlimited" {
+        Error::MemLock { bytes: len, limit, detail }
+    } else {
+        Error::Verbs { op: "register memory", detail: format!("{len} bytes: {detail} (locked-memory limit {limit})") }
+    }
+}

@@ -1,0 +1,11 @@
+//! The verbs layer: safe owners of RDMA objects on top of `sideway` (which loads libibverbs at
+//! run time). Every object is one Rust value released in `Drop`; `unsafe` lives only here and in
+//! the reduction kernels.
+
+pub mod device;
+pub mod memory;
+pub mod queue;
+
+pub use device::{list_ports, open, DeviceChoice, PortInfo, Selected};
+pub use memory::RegisteredBuffer;
+pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy};

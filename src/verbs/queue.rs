@@ -1,0 +1,293 @@
+//! Completion queues (polled without allocation) and reliable-connected queue pairs.
+
+use crate::error::{Error, Result};
+use crate::verbs::device::Selected;
+use rdma_mummy_sys::{ibv_poll_cq, ibv_wc};
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue as _};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairAttributeMask,
+    QueuePairBuilder, QueuePairState, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+use std::sync::Arc;
+
+/// One work completion, copied out of the CQ.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// `ibv_wc_status` (0 = success).
+    pub status: u32,
+    /// Bytes received (receive completions).
+    pub byte_len: u32,
+    /// The immediate (host order; senders post it big-endian).
+    pub imm: u32,
+}
+
+/// A completion queue polled in batches into a preallocated array (the basic CQ: extended CQs
+/// are broken on rxe before rdma-core 55).
+pub struct CompletionQueue {
+    cq: Arc<BasicCompletionQueue>,
+    wcs: Vec<ibv_wc>,
+}
+
+impl CompletionQueue {
+    /// Creates a CQ with room for `depth` completions.
+    pub fn new(ctx: &Arc<DeviceContext>, depth: u32) -> Result<Self> {
+        let cq = ctx
+            .create_cq_builder()
+            .setup_cqe(depth)
+            .build()
+            .map_err(|e| Error::Verbs { op: "create completion queue", detail: format!("{e:?}") })?;
+        // SAFETY: ibv_wc is plain old data; zero is a valid bit pattern.
+        let wcs = (0..64).map(|_| unsafe { std::mem::zeroed::<ibv_wc>() }).collect();
+        Ok(CompletionQueue { cq, wcs })
+    }
+
+    /// The underlying CQ, for attaching QPs.
+    pub fn handle(&self) -> Arc<BasicCompletionQueue> {
+        Arc::clone(&self.cq)
+    }
+
+    /// Polls once; calls `f` for each completion. Returns how many there were.
+    pub fn poll(&mut self, mut f: impl FnMut(Completion)) -> Result<usize> {
+        // SAFETY: the CQ is alive (we hold its Arc); wcs has room for wcs.len() entries.
+        let n = unsafe { ibv_poll_cq(self.cq.cq().as_ptr(), self.wcs.len() as i32, self.wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(Error::Verbs { op: "poll completion queue", detail: format!("returned {n}") });
+        }
+        for wc in &self.wcs[..n as usize] {
+            f(Completion {
+                wr_id: wc.wr_id,
+                status: wc.status,
+                byte_len: wc.byte_len,
+                // SAFETY: a union of two u32s; reading either is defined.
+                imm: u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }),
+            });
+        }
+        Ok(n as usize)
+    }
+}
+
+/// `ibv_wc_status` in words, with a hint for the ones that mean "the peer is gone".
+pub fn status_str(status: u32) -> String {
+    let s = match status {
+        0 => "success",
+        1 => "local length error",
+        2 => "local QP operation error",
+        4 => "local protection error",
+        5 => "work request flushed (the queue pair went to the error state)",
+        7 => "bad response",
+        8 => "local access error",
+        9 => "remote invalid request",
+        10 => "remote access error (bad rkey or address)",
+        11 => "remote operation error",
+        12 => "transport retry counter exceeded (the peer is unreachable or dead)",
+        13 => "RNR retry counter exceeded (the peer posted no receive)",
+        16 => "remote aborted",
+        19 => "fatal error",
+        20 => "response timeout",
+        21 => "general error",
+        _ => return format!("work completion status {status}"),
+    };
+    s.to_string()
+}
+
+/// What a peer needs to connect to one of our queue pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Endpoint {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Initial packet sequence number of our send queue.
+    pub psn: u32,
+    /// Port LID (InfiniBand).
+    pub lid: u16,
+    /// Port GID.
+    pub gid: [u8; 16],
+    /// Active MTU, as the verbs enum value (1 = 256 .. 5 = 4096).
+    pub mtu: u8,
+}
+
+/// The QP's timeout and retry settings. With `timeout` t and `retry` r, a dead peer is reported
+/// (RETRY_EXC_ERR) after about (r+1) x 4.096 us x 2^t. Retry 7 would mean "forever" on rxe.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    /// Local ACK timeout exponent.
+    pub timeout: u8,
+    /// Transport retry count (0..=6 here; 7 is infinite on some providers).
+    pub retry: u8,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        // ~ 7 x 4.096 us x 2^16 = 1.9 s to report a dead peer.
+        RetryPolicy { timeout: 16, retry: 6 }
+    }
+}
+
+fn mtu_from_u8(v: u8) -> Mtu {
+    match v {
+        1 => Mtu::Mtu256,
+        2 => Mtu::Mtu512,
+        3 => Mtu::Mtu1024,
+        4 => Mtu::Mtu2048,
+        _ => Mtu::Mtu4096,
+    }
+}
+
+/// A reliable-connected queue pair.
+pub struct RcQueuePair {
+    qp: BasicQueuePair,
+    sel: Selected,
+    psn: u32,
+}
+
+/// Largest payload we post inline.
+pub const MAX_INLINE: u32 = 64;
+
+impl RcQueuePair {
+    /// Creates an RC QP on `cq` (send and receive) and moves it to INIT.
+    pub fn new(
+        pd: &Arc<ProtectionDomain>,
+        cq: &CompletionQueue,
+        sel: &Selected,
+        send_depth: u32,
+        recv_depth: u32,
+    ) -> Result<Self> {
+        let mut b = QueuePairBuilder::new(pd);
+        b.setup_send_cq(cq.handle())
+            .setup_recv_cq(cq.handle())
+            .setup_max_send_wr(send_depth)
+            .setup_max_recv_wr(recv_depth)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_max_inline_data(MAX_INLINE);
+        let mut qp = b
+            .build()
+            .map_err(|e| Error::Verbs { op: "create queue pair", detail: format!("{e:?}") })?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(sel.port)
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
+        qp.modify(&attr)
+            .map_err(|e| Error::Verbs { op: "modify QP to INIT", detail: format!("{e:?}") })?;
+        // A PSN from the clock and the QP number: different per QP and per run.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let psn = (nanos ^ qp.qp_number().wrapping_mul(2654435761)) & 0xff_ffff;
+        Ok(RcQueuePair { qp, sel: sel.clone(), psn })
+    }
+
+    /// Our endpoint, to send to the peer.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            qpn: self.qp.qp_number(),
+            psn: self.psn,
+            lid: self.sel.lid,
+            gid: self.sel.gid.raw,
+            mtu: self.sel.mtu as u8,
+        }
+    }
+
+    /// Moves the QP through RTR to RTS, connected to `remote`.
+    pub fn connect(&mut self, remote: &Endpoint, policy: RetryPolicy) -> Result<()> {
+        let mtu = mtu_from_u8(remote.mtu.min(self.sel.mtu as u8));
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(mtu)
+            .setup_dest_qp_num(remote.qpn)
+            .setup_rq_psn(remote.psn)
+            .setup_max_dest_read_atomic(1)
+            .setup_min_rnr_timer(1);
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_dest_lid(remote.lid).setup_port(self.sel.port).setup_service_level(0);
+        if self.sel.ethernet || remote.lid == 0 {
+            ah.setup_grh_src_gid_index(self.sel.gid_index as u8)
+                .setup_grh_dest_gid(&Gid { raw: remote.gid })
+                .setup_grh_hop_limit(64);
+        }
+        attr.setup_address_vector(&ah);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| Error::Verbs { op: "modify QP to RTR", detail: format!("{e:?}") })?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(self.psn)
+            .setup_timeout(policy.timeout)
+            .setup_retry_cnt(policy.retry.min(6))
+            .setup_rnr_retry(6)
+            .setup_max_read_atomic(1);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| Error::Verbs { op: "modify QP to RTS", detail: format!("{e:?}") })
+    }
+
+    /// Posts an RDMA WRITE of `len` bytes at local `addr` (in the MR of `lkey`) to the peer's
+    /// `remote_addr` (in its MR of `rkey`), with an immediate when `imm` is set.
+    ///
+    /// # Safety
+    /// The local range must stay valid and unmodified, and the remote range must belong to the
+    /// peer's registered buffer, until this work request completes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn post_write(
+        &mut self,
+        wr_id: u64,
+        lkey: u32,
+        addr: u64,
+        len: u32,
+        rkey: u32,
+        remote_addr: u64,
+        imm: Option<u32>,
+        signaled: bool,
+    ) -> Result<()> {
+        let flags = if signaled { WorkRequestFlags::Signaled } else { WorkRequestFlags::none() };
+        let mut guard = self.qp.start_post_send();
+        let wr = guard.construct_wr(wr_id, flags);
+        let h = match imm {
+            Some(i) => wr.setup_write_imm(rkey, remote_addr, i.to_be()),
+            None => wr.setup_write(rkey, remote_addr),
+        };
+        if len <= MAX_INLINE && len > 0 {
+            // Inline: the bytes are copied at post time.
+            // SAFETY: the caller guarantees addr..addr+len is valid memory.
+            h.setup_inline_data(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) });
+        } else if len > 0 {
+            // SAFETY: the caller guarantees the range is registered under lkey and stays valid.
+            unsafe { h.setup_sge(lkey, addr, len) };
+        }
+        guard
+            .post()
+            .map_err(|e| Error::Verbs { op: "post RDMA write", detail: format!("{e:?}") })
+    }
+
+    /// Posts a receive with no buffer: it only takes a WRITE_WITH_IMM's immediate.
+    pub fn post_recv(&mut self, wr_id: u64) -> Result<()> {
+        let mut guard = self.qp.start_post_recv();
+        let _ = guard.construct_wr(wr_id);
+        guard
+            .post()
+            .map_err(|e| Error::Verbs { op: "post receive", detail: format!("{e:?}") })
+    }
+
+    /// The QP's real state, queried from the device (the cached one can be stale).
+    pub fn query_state(&self) -> Result<QueuePairState> {
+        let (attr, _) = self
+            .qp
+            .query(QueuePairAttributeMask::State)
+            .map_err(|e| Error::Verbs { op: "query QP", detail: format!("{e:?}") })?;
+        Ok(attr.state())
+    }
+
+    /// Moves the QP to the error state: every outstanding work request is flushed.
+    pub fn set_error(&mut self) {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        let _ = self.qp.modify(&attr);
+    }
+}
