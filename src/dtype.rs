@@ -119,7 +119,12 @@ pub enum AllReduce {
 
 impl AllReduce {
     /// Every op, for tests and tools.
-    pub const ALL: [AllReduce; 4] = [AllReduce::Sum, AllReduce::Prod, AllReduce::Min, AllReduce::Max];
+    pub const ALL: [AllReduce; 4] = [
+        AllReduce::Sum,
+        AllReduce::Prod,
+        AllReduce::Min,
+        AllReduce::Max,
+    ];
 
     /// The lower-case name (`"sum"`, ...).
     pub const fn name(self) -> &'static str {

@@ -48,10 +48,22 @@ float_elem!(f32, f64);
 fn combine<T: Elem>(op: AllReduce, acc: &mut [T], src: &[T]) {
     // Written as four loops with the op inlined so each vectorizes.
     match op {
-        AllReduce::Sum => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::sum(*a, *b)),
-        AllReduce::Prod => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::prod(*a, *b)),
-        AllReduce::Min => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::min(*a, *b)),
-        AllReduce::Max => acc.iter_mut().zip(src).for_each(|(a, b)| *a = T::max(*a, *b)),
+        AllReduce::Sum => acc
+            .iter_mut()
+            .zip(src)
+            .for_each(|(a, b)| *a = T::sum(*a, *b)),
+        AllReduce::Prod => acc
+            .iter_mut()
+            .zip(src)
+            .for_each(|(a, b)| *a = T::prod(*a, *b)),
+        AllReduce::Min => acc
+            .iter_mut()
+            .zip(src)
+            .for_each(|(a, b)| *a = T::min(*a, *b)),
+        AllReduce::Max => acc
+            .iter_mut()
+            .zip(src)
+            .for_each(|(a, b)| *a = T::max(*a, *b)),
     }
 }
 
@@ -81,14 +93,17 @@ fn combine_bf16(op: AllReduce, acc: &mut [u16], src: &[u16]) {
     let mut b32 = [0f32; BLOCK];
     for (ac, sc) in acc.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
         let n = ac.len();
-        for i in 0..n {
-            a32[i] = bf16_bits_to_f32(ac[i]);
-            b32[i] = bf16_bits_to_f32(sc[i]);
-        }
-        combine::<f32>(op, &mut a32[..n], &b32[..n]);
-        for i in 0..n {
-            ac[i] = f32_to_bf16_bits(a32[i]);
-        }
+        let (a32, b32) = (&mut a32[..n], &mut b32[..n]);
+        a32.iter_mut()
+            .zip(ac.iter())
+            .for_each(|(d, &x)| *d = bf16_bits_to_f32(x));
+        b32.iter_mut()
+            .zip(sc.iter())
+            .for_each(|(d, &x)| *d = bf16_bits_to_f32(x));
+        combine::<f32>(op, a32, b32);
+        ac.iter_mut()
+            .zip(a32.iter())
+            .for_each(|(d, &x)| *d = f32_to_bf16_bits(x));
     }
 }
 
@@ -127,7 +142,94 @@ fn combine_bytes(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn combine_bytes_avx2(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
+    if dtype == DType::f16 || dtype == DType::bf16 {
+        // SAFETY: same CPU features as this function; u8 -> u16 cast checked by bytemuck.
+        let (a, b) = (bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(src));
+        return unsafe {
+            if dtype == DType::bf16 {
+                half_avx2::<true>(op, a, b)
+            } else {
+                half_avx2::<false>(op, a, b)
+            }
+        };
+    }
     combine_bytes(op, dtype, acc, src)
+}
+
+/// f16 (F16C) or bf16 (shifts): 8 lanes widened to f32, combined, rounded back to nearest even.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_avx2<const BF: bool>(op: AllReduce, acc: &mut [u16], src: &[u16]) {
+    use std::arch::x86_64::*;
+    let bf = BF;
+    let widen = |p: *const u16| -> __m256 {
+        // SAFETY: the caller passes a pointer with 8 readable u16 (unaligned load).
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            if bf {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_cvtph_ps(h)
+            }
+        }
+    };
+    let narrow = |r: __m256| -> __m128i {
+        if !bf {
+            return _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r);
+        }
+        let bits = _mm256_castps_si256(r);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+            bits,
+            _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)),
+        ));
+        let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x40));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(r, r));
+        let v = _mm256_blendv_epi8(rounded, quiet, nan);
+        // 8 x u32 (< 2^16) -> 8 x u16: pack within lanes, then gather the two halves.
+        let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(v, v));
+        _mm256_castsi256_si128(packed)
+    };
+    let n8 = acc.len() / 8 * 8;
+    let (ap, sp) = (acc.as_mut_ptr(), src.as_ptr());
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= len for both slices (equal lengths); unaligned loads and stores.
+        unsafe {
+            let a = widen(ap.add(i));
+            let b = widen(sp.add(i));
+            let r = match op {
+                AllReduce::Sum => _mm256_add_ps(a, b),
+                AllReduce::Prod => _mm256_mul_ps(a, b),
+                // a if a is NaN or a < b (resp. a > b), else b: the scalar rule.
+                AllReduce::Min => {
+                    let m = _mm256_or_ps(
+                        _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a),
+                        _mm256_cmp_ps::<_CMP_LT_OQ>(a, b),
+                    );
+                    _mm256_blendv_ps(b, a, m)
+                }
+                AllReduce::Max => {
+                    let m = _mm256_or_ps(
+                        _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a),
+                        _mm256_cmp_ps::<_CMP_GT_OQ>(a, b),
+                    );
+                    _mm256_blendv_ps(b, a, m)
+                }
+            };
+            _mm_storeu_si128(ap.add(i) as *mut __m128i, narrow(r));
+        }
+        i += 8;
+    }
+    if bf {
+        combine_bf16(op, &mut acc[n8..], &src[n8..]);
+    } else {
+        combine_f16(
+            op,
+            bytemuck::cast_slice_mut(&mut acc[n8..]),
+            bytemuck::cast_slice(&src[n8..]),
+        );
+    }
 }
 
 fn combine_dispatch(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {

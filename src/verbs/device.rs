@@ -38,11 +38,17 @@ impl DeviceChoice {
         };
         let port = match num("RDMACOMM_IB_PORT")? {
             Some(p) if (1..=255).contains(&p) => Some(p as u8),
-            Some(p) => return Err(Error::Config(format!("RDMACOMM_IB_PORT={p}: ports are numbered from 1"))),
+            Some(p) => {
+                return Err(Error::Config(format!(
+                    "RDMACOMM_IB_PORT={p}: ports are numbered from 1"
+                )))
+            }
             None => None,
         };
         Ok(DeviceChoice {
-            device: std::env::var("RDMACOMM_IB_DEVICE").ok().filter(|s| !s.is_empty()),
+            device: std::env::var("RDMACOMM_IB_DEVICE")
+                .ok()
+                .filter(|s| !s.is_empty()),
             port,
             gid_index: num("RDMACOMM_GID_INDEX")?,
         })
@@ -128,31 +134,39 @@ pub fn list_ports() -> Result<Vec<PortInfo>> {
     let mut out = Vec::new();
     for dev in list.iter() {
         let name = dev.name();
-        let ctx = dev
-            .open()
-            .map_err(|e| Error::Verbs { op: "open device", detail: format!("{name}: {e}") })?;
+        let ctx = dev.open().map_err(|e| Error::Verbs {
+            op: "open device",
+            detail: format!("{name}: {e}"),
+        })?;
         out.extend(ports_of(&name, &ctx)?);
     }
     Ok(out)
 }
 
 fn ports_of(name: &str, ctx: &Arc<DeviceContext>) -> Result<Vec<PortInfo>> {
-    let attr = ctx
-        .query_device()
-        .map_err(|e| Error::Verbs { op: "query device", detail: format!("{name}: {e}") })?;
+    let attr = ctx.query_device().map_err(|e| Error::Verbs {
+        op: "query device",
+        detail: format!("{name}: {e}"),
+    })?;
     let mut out = Vec::new();
     for port in 1..=attr.phys_port_cnt() {
-        let pa = ctx
-            .query_port(port)
-            .map_err(|e| Error::Verbs { op: "query port", detail: format!("{name} port {port}: {e}") })?;
+        let pa = ctx.query_port(port).map_err(|e| Error::Verbs {
+            op: "query port",
+            detail: format!("{name} port {port}: {e}"),
+        })?;
         let ethernet = pa.link_layer() == LinkLayer::Ethernet;
         let mut gids = Vec::new();
         for idx in 0..pa.gid_tbl_len().max(0) as u32 {
-            let Ok(gid) = ctx.query_gid(port, idx) else { continue };
+            let Ok(gid) = ctx.query_gid(port, idx) else {
+                continue;
+            };
             if gid.is_zero() {
                 continue;
             }
-            let v2 = ethernet && ctx.query_gid_type(port, idx).is_ok_and(|t| t == GID_TYPE_SYSFS_ROCE_V2);
+            let v2 = ethernet
+                && ctx
+                    .query_gid_type(port, idx)
+                    .is_ok_and(|t| t == GID_TYPE_SYSFS_ROCE_V2);
             gids.push((idx, gid, v2));
         }
         out.push(PortInfo {
@@ -192,9 +206,10 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
         if choice.device.as_ref().is_some_and(|d| d != &name) {
             continue;
         }
-        let ctx = dev
-            .open()
-            .map_err(|e| Error::Verbs { op: "open device", detail: format!("{name}: {e}") })?;
+        let ctx = dev.open().map_err(|e| Error::Verbs {
+            op: "open device",
+            detail: format!("{name}: {e}"),
+        })?;
         let ports = ports_of(&name, &ctx)?;
         for p in &ports {
             if choice.port.is_some_and(|want| want != p.port) {
@@ -208,14 +223,12 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
             let (gid_index, gid) = match choice.gid_index {
                 Some(idx) => match p.gids.iter().find(|e| e.0 == idx) {
                     Some(e) => (e.0, e.1),
-                    None => {
-                        return Err(Error::Config(format!(
-                            "RDMACOMM_GID_INDEX={idx}: {name} port {} has no such GID (valid: {:?}); \
+                    None => return Err(Error::Config(format!(
+                        "RDMACOMM_GID_INDEX={idx}: {name} port {} has no such GID (valid: {:?}); \
                              see `ibv_devinfo -v` or `show_gids`",
-                            p.port,
-                            p.gids.iter().map(|e| e.0).collect::<Vec<_>>()
-                        )))
-                    }
+                        p.port,
+                        p.gids.iter().map(|e| e.0).collect::<Vec<_>>()
+                    ))),
                 },
                 None if !ethernet => (0, p.gids.first().map(|e| e.1).unwrap_or_default()),
                 None => match pick_gid(&p.gids) {
@@ -229,9 +242,10 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
                     }
                 },
             };
-            let pa = ctx
-                .query_port(p.port)
-                .map_err(|e| Error::Verbs { op: "query port", detail: e.to_string() })?;
+            let pa = ctx.query_port(p.port).map_err(|e| Error::Verbs {
+                op: "query port",
+                detail: e.to_string(),
+            })?;
             return Ok((
                 ctx,
                 Selected {
@@ -245,7 +259,10 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
                 },
             ));
         }
-        if ports.iter().all(|p| choice.port.is_some_and(|w| w != p.port)) {
+        if ports
+            .iter()
+            .all(|p| choice.port.is_some_and(|w| w != p.port))
+        {
             problems.push(format!("{name} has no port {:?}", choice.port.unwrap_or(0)));
         }
     }
@@ -256,5 +273,8 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
             )));
         }
     }
-    Err(Error::NoDevice(format!("no usable port: {}", problems.join("; "))))
+    Err(Error::NoDevice(format!(
+        "no usable port: {}",
+        problems.join("; ")
+    )))
 }

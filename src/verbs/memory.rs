@@ -50,7 +50,11 @@ impl RegisteredBuffer {
                 return Err(registration_error(len, &format!("{e}: {:?}", e.0), os));
             }
         };
-        Ok(RegisteredBuffer { mr: Some(mr), ptr, layout })
+        Ok(RegisteredBuffer {
+            mr: Some(mr),
+            ptr,
+            layout,
+        })
     }
 
     /// The base address (what a peer writes to).
@@ -116,7 +120,10 @@ impl Drop for RegisteredBuffer {
 
 /// The current RLIMIT_MEMLOCK in words.
 pub fn memlock_limit() -> String {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit writes into rl.
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } != 0 {
         return "unknown".into();
@@ -131,10 +138,20 @@ pub fn memlock_limit() -> String {
 fn registration_error(len: usize, detail: &str, os: Option<i32>) -> Error {
     let detail = detail.to_string();
     let limit = memlock_limit();
-    let lock_problem = matches!(os, Some(libc::ENOMEM) | Some(libc::EPERM) | Some(libc::EAGAIN));
+    let lock_problem = matches!(
+        os,
+        Some(libc::ENOMEM) | Some(libc::EPERM) | Some(libc::EAGAIN)
+    );
     if lock_problem && limit != "unlimited" {
-        Error::MemLock { bytes: len, limit, detail }
+        Error::MemLock {
+            bytes: len,
+            limit,
+            detail,
+        }
     } else {
-        Error::Verbs { op: "register memory", detail: format!("{len} bytes: {detail} (locked-memory limit {limit})") }
+        Error::Verbs {
+            op: "register memory",
+            detail: format!("{len} bytes: {detail} (locked-memory limit {limit})"),
+        }
     }
 }

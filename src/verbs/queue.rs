@@ -41,9 +41,14 @@ impl CompletionQueue {
             .create_cq_builder()
             .setup_cqe(depth)
             .build()
-            .map_err(|e| Error::Verbs { op: "create completion queue", detail: format!("{e:?}") })?;
+            .map_err(|e| Error::Verbs {
+                op: "create completion queue",
+                detail: format!("{e:?}"),
+            })?;
         // SAFETY: ibv_wc is plain old data; zero is a valid bit pattern.
-        let wcs = (0..64).map(|_| unsafe { std::mem::zeroed::<ibv_wc>() }).collect();
+        let wcs = (0..64)
+            .map(|_| unsafe { std::mem::zeroed::<ibv_wc>() })
+            .collect();
         Ok(CompletionQueue { cq, wcs })
     }
 
@@ -55,9 +60,18 @@ impl CompletionQueue {
     /// Polls once; calls `f` for each completion. Returns how many there were.
     pub fn poll(&mut self, mut f: impl FnMut(Completion)) -> Result<usize> {
         // SAFETY: the CQ is alive (we hold its Arc); wcs has room for wcs.len() entries.
-        let n = unsafe { ibv_poll_cq(self.cq.cq().as_ptr(), self.wcs.len() as i32, self.wcs.as_mut_ptr()) };
+        let n = unsafe {
+            ibv_poll_cq(
+                self.cq.cq().as_ptr(),
+                self.wcs.len() as i32,
+                self.wcs.as_mut_ptr(),
+            )
+        };
         if n < 0 {
-            return Err(Error::Verbs { op: "poll completion queue", detail: format!("returned {n}") });
+            return Err(Error::Verbs {
+                op: "poll completion queue",
+                detail: format!("returned {n}"),
+            });
         }
         for wc in &self.wcs[..n as usize] {
             f(Completion {
@@ -124,7 +138,10 @@ pub struct RetryPolicy {
 impl Default for RetryPolicy {
     fn default() -> Self {
         // ~ 7 x 4.096 us x 2^16 = 1.9 s to report a dead peer.
-        RetryPolicy { timeout: 16, retry: 6 }
+        RetryPolicy {
+            timeout: 16,
+            retry: 6,
+        }
     }
 }
 
@@ -165,23 +182,32 @@ impl RcQueuePair {
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
             .setup_max_inline_data(MAX_INLINE);
-        let mut qp = b
-            .build()
-            .map_err(|e| Error::Verbs { op: "create queue pair", detail: format!("{e:?}") })?;
+        let mut qp = b.build().map_err(|e| Error::Verbs {
+            op: "create queue pair",
+            detail: format!("{e:?}"),
+        })?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(sel.port)
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
-        qp.modify(&attr)
-            .map_err(|e| Error::Verbs { op: "modify QP to INIT", detail: format!("{e:?}") })?;
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            );
+        qp.modify(&attr).map_err(|e| Error::Verbs {
+            op: "modify QP to INIT",
+            detail: format!("{e:?}"),
+        })?;
         // A PSN from the clock and the QP number: different per QP and per run.
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
         let psn = (nanos ^ qp.qp_number().wrapping_mul(2654435761)) & 0xff_ffff;
-        Ok(RcQueuePair { qp, sel: sel.clone(), psn })
+        Ok(RcQueuePair {
+            qp,
+            sel: sel.clone(),
+            psn,
+        })
     }
 
     /// Our endpoint, to send to the peer.
@@ -206,16 +232,19 @@ impl RcQueuePair {
             .setup_max_dest_read_atomic(1)
             .setup_min_rnr_timer(1);
         let mut ah = AddressHandleAttribute::new();
-        ah.setup_dest_lid(remote.lid).setup_port(self.sel.port).setup_service_level(0);
+        ah.setup_dest_lid(remote.lid)
+            .setup_port(self.sel.port)
+            .setup_service_level(0);
         if self.sel.ethernet || remote.lid == 0 {
             ah.setup_grh_src_gid_index(self.sel.gid_index as u8)
                 .setup_grh_dest_gid(&Gid { raw: remote.gid })
                 .setup_grh_hop_limit(64);
         }
         attr.setup_address_vector(&ah);
-        self.qp
-            .modify(&attr)
-            .map_err(|e| Error::Verbs { op: "modify QP to RTR", detail: format!("{e:?}") })?;
+        self.qp.modify(&attr).map_err(|e| Error::Verbs {
+            op: "modify QP to RTR",
+            detail: format!("{e:?}"),
+        })?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
@@ -223,9 +252,10 @@ impl RcQueuePair {
             .setup_retry_cnt(policy.retry.min(6))
             .setup_rnr_retry(6)
             .setup_max_read_atomic(1);
-        self.qp
-            .modify(&attr)
-            .map_err(|e| Error::Verbs { op: "modify QP to RTS", detail: format!("{e:?}") })
+        self.qp.modify(&attr).map_err(|e| Error::Verbs {
+            op: "modify QP to RTS",
+            detail: format!("{e:?}"),
+        })
     }
 
     /// Posts an RDMA WRITE of `len` bytes at local `addr` (in the MR of `lkey`) to the peer's
@@ -246,7 +276,11 @@ impl RcQueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<()> {
-        let flags = if signaled { WorkRequestFlags::Signaled } else { WorkRequestFlags::none() };
+        let flags = if signaled {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
         let mut guard = self.qp.start_post_send();
         let wr = guard.construct_wr(wr_id, flags);
         let h = match imm {
@@ -256,23 +290,27 @@ impl RcQueuePair {
         if len <= MAX_INLINE && len > 0 {
             // Inline: the bytes are copied at post time.
             // SAFETY: the caller guarantees addr..addr+len is valid memory.
-            h.setup_inline_data(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) });
+            h.setup_inline_data(unsafe {
+                std::slice::from_raw_parts(addr as *const u8, len as usize)
+            });
         } else if len > 0 {
             // SAFETY: the caller guarantees the range is registered under lkey and stays valid.
             unsafe { h.setup_sge(lkey, addr, len) };
         }
-        guard
-            .post()
-            .map_err(|e| Error::Verbs { op: "post RDMA write", detail: format!("{e:?}") })
+        guard.post().map_err(|e| Error::Verbs {
+            op: "post RDMA write",
+            detail: format!("{e:?}"),
+        })
     }
 
     /// Posts a receive with no buffer: it only takes a WRITE_WITH_IMM's immediate.
     pub fn post_recv(&mut self, wr_id: u64) -> Result<()> {
         let mut guard = self.qp.start_post_recv();
         let _ = guard.construct_wr(wr_id);
-        guard
-            .post()
-            .map_err(|e| Error::Verbs { op: "post receive", detail: format!("{e:?}") })
+        guard.post().map_err(|e| Error::Verbs {
+            op: "post receive",
+            detail: format!("{e:?}"),
+        })
     }
 
     /// The QP's real state, queried from the device (the cached one can be stale).
@@ -280,7 +318,10 @@ impl RcQueuePair {
         let (attr, _) = self
             .qp
             .query(QueuePairAttributeMask::State)
-            .map_err(|e| Error::Verbs { op: "query QP", detail: format!("{e:?}") })?;
+            .map_err(|e| Error::Verbs {
+                op: "query QP",
+                detail: format!("{e:?}"),
+            })?;
         Ok(attr.state())
     }
 

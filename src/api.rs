@@ -1,0 +1,109 @@
+//! The byte-level communicator API (`../shared/spec/communicator-bytes.txt`).
+
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Result};
+use std::sync::Arc;
+
+/// The transport of a Group: every rank of the group calls the same operations in the same
+/// order. Buffers are row-contiguous elements; a failure names the peer.
+pub trait Communicator: Send + Sync {
+    /// This process's rank, `0..size`.
+    fn rank(&self) -> usize;
+
+    /// The number of processes.
+    fn size(&self) -> usize;
+
+    /// Reduces `data` (elements of `dtype`) with every rank's data, in place; every rank gets
+    /// the same bits.
+    fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()>;
+
+    /// Every rank's `input` (equal lengths), concatenated in rank order into `output`.
+    fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()>;
+
+    /// Sends `data` to rank `dst`.
+    fn send(&self, dst: usize, data: &[u8]) -> Result<()>;
+
+    /// Receives exactly `data.len()` bytes from rank `src`.
+    fn recv(&self, src: usize, data: &mut [u8]) -> Result<()>;
+
+    /// Rank r's `output` is the element-wise sum (elements of `dtype`) of every rank's r-th chunk
+    /// of `input` (`input.len() == size * output.len()`), as MLX's `sum_scatter`.
+    ///
+    /// The default all-reduces a copy of `input` and keeps this rank's chunk.
+    fn sum_scatter(&self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_sum_scatter(self.size(), dtype, input, output)?;
+        let mut tmp = input.to_vec();
+        self.all_reduce(AllReduce::Sum, dtype, &mut tmp)?;
+        let r = self.rank();
+        output.copy_from_slice(&tmp[r * output.len()..(r + 1) * output.len()]);
+        Ok(())
+    }
+
+    /// Whether every peer is still reachable, checked without a collective and without
+    /// blocking; an error names a lost peer. Backends that cannot tell report `Ok`.
+    fn health(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// A subgroup of the ranks with the same `color`, ordered by `key` (MLX's split).
+    ///
+    /// The default supports only the trivial case of a world of one.
+    fn split(&self, color: i32, key: i32) -> Result<Arc<dyn Communicator>> {
+        let _ = (color, key);
+        Err(Error::InvalidArgument(
+            "split is not supported by this communicator".into(),
+        ))
+    }
+}
+
+/// Checks `all_reduce` arguments.
+pub(crate) fn check_all_reduce(dtype: DType, data: &[u8]) -> Result<()> {
+    dtype.check_len(data.len(), "all_reduce buffer").map(|_| ())
+}
+
+/// Checks `all_gather` arguments.
+pub(crate) fn check_all_gather(size: usize, input: &[u8], output: &[u8]) -> Result<()> {
+    if output.len() != size * input.len() {
+        return Err(Error::InvalidArgument(format!(
+            "all_gather: output has {} bytes but must be size ({size}) x input ({}) = {} bytes",
+            output.len(),
+            input.len(),
+            size * input.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `sum_scatter` arguments.
+pub(crate) fn check_sum_scatter(
+    size: usize,
+    dtype: DType,
+    input: &[u8],
+    output: &[u8],
+) -> Result<()> {
+    dtype.check_len(output.len(), "sum_scatter output")?;
+    if input.len() != size * output.len() {
+        return Err(Error::InvalidArgument(format!(
+            "sum_scatter: input has {} bytes but must be size ({size}) x output ({}) = {} bytes",
+            input.len(),
+            output.len(),
+            size * output.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a peer rank for send/recv.
+pub(crate) fn check_peer(what: &str, me: usize, size: usize, peer: usize) -> Result<()> {
+    if peer >= size {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: rank {peer} is out of range (world size {size}, ranks 0..{size})"
+        )));
+    }
+    if peer == me {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: rank {peer} is this rank; cannot {what} to itself"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,4 @@
+//! Collective algorithms over a [`Link`](crate::transport::Link); they know nothing of RDMA.
+
+pub mod p2p;
+pub mod ring;

@@ -1,0 +1,52 @@
+//! Point-to-point send and receive, chunked through the link's slots.
+
+use crate::error::{Error, Result};
+use crate::transport::Link;
+
+/// Number of chunks a message of `len` bytes takes (an empty message is one empty chunk, so
+/// that every send matches exactly one receive).
+fn pieces(len: usize, max: usize) -> usize {
+    len.div_ceil(max).max(1)
+}
+
+/// Sends `data` to `dst`; returns when every chunk is posted (the data has been staged).
+pub fn send(link: &mut dyn Link, dst: usize, data: &[u8]) -> Result<()> {
+    let max = link.max_chunk();
+    link.begin();
+    for i in 0..pieces(data.len(), max) {
+        let part = &data[(i * max).min(data.len())..((i + 1) * max).min(data.len())];
+        while !link.try_post(dst, part)? {
+            link.progress(dst)?;
+        }
+    }
+    Ok(())
+}
+
+/// Receives exactly `data.len()` bytes from `src`.
+pub fn recv(link: &mut dyn Link, src: usize, data: &mut [u8]) -> Result<()> {
+    let max = link.max_chunk();
+    let total = data.len();
+    link.begin();
+    for i in 0..pieces(total, max) {
+        let part = &mut data[(i * max).min(total)..((i + 1) * max).min(total)];
+        loop {
+            let got = link.try_take(src, &mut |chunk: &[u8]| {
+                if chunk.len() != part.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "recv from rank {src}: a chunk of {} bytes arrived where {} were expected; \
+                         the sender's length differs from this receive's {total} bytes",
+                        chunk.len(),
+                        part.len()
+                    )));
+                }
+                part.copy_from_slice(chunk);
+                Ok(())
+            })?;
+            if got {
+                break;
+            }
+            link.progress(src)?;
+        }
+    }
+    Ok(())
+}

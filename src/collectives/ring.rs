@@ -1,0 +1,159 @@
+//! Pipelined ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in sequence.
+//!
+//! The buffer is cut into one chunk per rank, each chunk into segments of at most one slot. The
+//! ring is run as a stream of (step, segment) units: the send of unit (s, j) needs the receive of
+//! unit (s-1, j), so the reduction of one segment overlaps the transfer of the next, with as many
+//! segments in flight as the link has slots. Each element's final value is computed on exactly
+//! one rank and copied to the others, so every rank ends with the same bits.
+
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Result};
+use crate::reduce::reduce_unchecked;
+use crate::transport::Link;
+
+/// Byte range of each of `n` chunks of a buffer of `elems` elements of `esize` bytes: the first
+/// `elems % n` chunks get one element more.
+pub fn chunks(elems: usize, n: usize, esize: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (elems / n, elems % n);
+    let mut off = 0;
+    (0..n)
+        .map(|c| {
+            let len = (base + usize::from(c < extra)) * esize;
+            let r = (off, len);
+            off += len;
+            r
+        })
+        .collect()
+}
+
+/// What a ring run does with received segments.
+struct Plan<'a> {
+    /// Chunk ranges of the buffer.
+    chunks: &'a [(usize, usize)],
+    /// Steps that reduce (the first ones), then steps that copy.
+    reduce_steps: usize,
+    steps: usize,
+    /// Chunk sent at step 0 is `(rank + shift) mod n`; step s sends `(rank + shift - s) mod n`
+    /// and receives the chunk that step s+1 sends.
+    shift: usize,
+    op: Option<(AllReduce, DType)>,
+    esize: usize,
+}
+
+fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
+    let n = link.size();
+    let rank = link.rank();
+    if n == 1 || plan.steps == 0 {
+        return Ok(());
+    }
+    let right = (rank + 1) % n;
+    let left = (rank + n - 1) % n;
+    let max_chunk_len = plan.chunks.iter().map(|c| c.1).max().unwrap_or(0);
+    let seg = (link.max_chunk() / plan.esize * plan.esize).max(plan.esize);
+    let nseg = max_chunk_len.div_ceil(seg).max(1);
+    let chunk_at = |s: usize| (rank + plan.shift + n * plan.steps - s) % n;
+    let seg_range = |c: usize, j: usize| {
+        let (off, len) = plan.chunks[c];
+        let a = (j * seg).min(len);
+        let b = ((j + 1) * seg).min(len);
+        (off + a, b - a)
+    };
+    let total = plan.steps * nseg;
+    let (mut sent, mut recvd) = (0usize, 0usize);
+    link.begin();
+    while recvd < total || sent < total {
+        let mut did = false;
+        while sent < total && (sent < nseg || sent - nseg < recvd) {
+            let (s, j) = (sent / nseg, sent % nseg);
+            let (off, len) = seg_range(chunk_at(s), j);
+            if !link.try_post(right, &buf[off..off + len])? {
+                break;
+            }
+            sent += 1;
+            did = true;
+        }
+        if recvd < total {
+            let (s, j) = (recvd / nseg, recvd % nseg);
+            let (off, len) = seg_range(chunk_at(s + 1), j);
+            let dst = &mut buf[off..off + len];
+            let reduce = if s < plan.reduce_steps { plan.op } else { None };
+            let got = link.try_take(left, &mut |src: &[u8]| {
+                if src.len() != dst.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "ring: received {} bytes where {} were expected: do all ranks pass buffers of the same length?",
+                        src.len(),
+                        dst.len()
+                    )));
+                }
+                match reduce {
+                    Some((op, dtype)) => reduce_unchecked(op, dtype, dst, src),
+                    None => dst.copy_from_slice(src),
+                }
+                Ok(())
+            })?;
+            if got {
+                recvd += 1;
+                did = true;
+            }
+        }
+        if !did {
+            let waiting = if recvd < total { left } else { right };
+            link.progress(waiting)?;
+        }
+    }
+    Ok(())
+}
+
+/// In-place all-reduce: ring reduce-scatter, then ring all-gather.
+pub fn all_reduce(link: &mut dyn Link, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
+    let n = link.size();
+    let chunks = chunks(data.len() / dtype.size(), n, dtype.size());
+    let plan = Plan {
+        chunks: &chunks,
+        reduce_steps: n - 1,
+        steps: 2 * (n - 1),
+        shift: 0,
+        op: Some((op, dtype)),
+        esize: dtype.size(),
+    };
+    run(link, data, &plan)
+}
+
+/// Reduce-scatter in place over `data` (`size` equal chunks): afterwards chunk `rank` of `data`
+/// holds the reduction of every rank's chunk `rank`; other chunks hold partial results.
+pub fn reduce_scatter(
+    link: &mut dyn Link,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+) -> Result<()> {
+    let n = link.size();
+    let each = data.len() / n;
+    let chunks: Vec<(usize, usize)> = (0..n).map(|c| (c * each, each)).collect();
+    // Step s sends chunk rank-1-s; after n-1 steps this rank holds its own chunk, complete.
+    let plan = Plan {
+        chunks: &chunks,
+        reduce_steps: n - 1,
+        steps: n - 1,
+        shift: n - 1,
+        op: Some((op, dtype)),
+        esize: dtype.size(),
+    };
+    run(link, data, &plan)
+}
+
+/// All-gather in place: `data` has `size` equal chunks, chunk `rank` filled by the caller.
+pub fn all_gather(link: &mut dyn Link, data: &mut [u8]) -> Result<()> {
+    let n = link.size();
+    let each = data.len() / n;
+    let chunks: Vec<(usize, usize)> = (0..n).map(|c| (c * each, each)).collect();
+    let plan = Plan {
+        chunks: &chunks,
+        reduce_steps: 0,
+        steps: n - 1,
+        shift: 0,
+        op: None,
+        esize: 1,
+    };
+    run(link, data, &plan)
+}

@@ -1,0 +1,157 @@
+//! [`RdmaComm`]: the byte-level [`Communicator`] over the RDMA transport.
+
+use crate::api::{check_all_gather, check_all_reduce, check_peer, check_sum_scatter, Communicator};
+use crate::collectives::{p2p, ring};
+use crate::config::Config;
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Result};
+use crate::transport::rdma::RdmaTransport;
+use crate::transport::Link;
+use std::sync::{Mutex, MutexGuard};
+
+struct Inner {
+    /// None for a world of one.
+    link: Option<RdmaTransport>,
+    /// Set by the first failure; every later call returns it.
+    poisoned: Option<String>,
+    scratch: Vec<u8>,
+}
+
+/// A communicator over RDMA: one reliable-connected queue pair per peer. Calls are serialized
+/// (the trait is `Sync`; one operation runs at a time).
+pub struct RdmaComm {
+    rank: usize,
+    size: usize,
+    inner: Mutex<Inner>,
+}
+
+impl RdmaComm {
+    /// Joins the group described by `cfg` (every rank must call this). A world of one needs no
+    /// device.
+    pub fn new(cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        let link = if cfg.world_size > 1 {
+            Some(RdmaTransport::connect(cfg)?)
+        } else {
+            None
+        };
+        Ok(RdmaComm {
+            rank: cfg.rank,
+            size: cfg.world_size,
+            inner: Mutex::new(Inner {
+                link,
+                poisoned: None,
+                scratch: Vec::new(),
+            }),
+        })
+    }
+
+    /// Joins the group described by the environment (see [`Config::from_env`]).
+    pub fn from_env() -> Result<Self> {
+        RdmaComm::new(&Config::from_env()?)
+    }
+
+    /// The RDMA device, port and GID in use (None for a world of one).
+    pub fn device(&self) -> Option<String> {
+        self.lock().link.as_ref().map(|l| l.device().to_string())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the link unless the communicator failed before; a failure poisons it.
+    fn with_link<T>(
+        &self,
+        f: impl FnOnce(&mut RdmaTransport, &mut Vec<u8>) -> Result<T>,
+    ) -> Result<T> {
+        let mut g = self.lock();
+        if let Some(why) = &g.poisoned {
+            return Err(Error::Poisoned(why.clone()));
+        }
+        let inner = &mut *g;
+        let link = inner
+            .link
+            .as_mut()
+            .expect("world of one handled by the caller");
+        let r = f(link, &mut inner.scratch);
+        if let Err(e) = &r {
+            g.poisoned = Some(e.to_string());
+        }
+        r
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.lock().poisoned {
+            Some(why) => Err(Error::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Communicator for RdmaComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
+        check_all_reduce(dtype, data)?;
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.with_link(|l, _| ring::all_reduce(l, op, dtype, data))
+    }
+
+    fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_all_gather(self.size, input, output)?;
+        let n = input.len();
+        if self.size == 1 {
+            self.check_usable()?;
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        self.with_link(|l, _| {
+            output[l.rank() * n..(l.rank() + 1) * n].copy_from_slice(input);
+            ring::all_gather(l, output)
+        })
+    }
+
+    fn send(&self, dst: usize, data: &[u8]) -> Result<()> {
+        check_peer("send", self.rank, self.size, dst)?;
+        self.with_link(|l, _| p2p::send(l, dst, data))
+    }
+
+    fn recv(&self, src: usize, data: &mut [u8]) -> Result<()> {
+        check_peer("recv", self.rank, self.size, src)?;
+        self.with_link(|l, _| p2p::recv(l, src, data))
+    }
+
+    fn sum_scatter(&self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_sum_scatter(self.size, dtype, input, output)?;
+        if self.size == 1 {
+            self.check_usable()?;
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        self.with_link(|l, scratch| {
+            scratch.clear();
+            scratch.extend_from_slice(input);
+            ring::reduce_scatter(l, AllReduce::Sum, dtype, scratch)?;
+            let (r, m) = (l.rank(), output.len());
+            output.copy_from_slice(&scratch[r * m..(r + 1) * m]);
+            Ok(())
+        })
+    }
+
+    fn health(&self) -> Result<()> {
+        let g = self.lock();
+        if let Some(why) = &g.poisoned {
+            return Err(Error::Poisoned(why.clone()));
+        }
+        Ok(())
+    }
+}

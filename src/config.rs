@@ -1,0 +1,155 @@
+//! How a rank learns who it is: explicit [`Config`] or the environment of common launchers.
+//!
+//! Rank and world size, first match wins:
+//! `RDMACOMM_RANK`/`RDMACOMM_WORLD_SIZE`, torchrun's `RANK`/`WORLD_SIZE`, Open MPI's
+//! `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, PMI's `PMI_RANK`/`PMI_SIZE`, Slurm's
+//! `SLURM_PROCID`/`SLURM_NTASKS`. Coordinator (rank 0's rendezvous address): `RDMACOMM_COORDINATOR`
+//! (`host:port`), else `MASTER_ADDR`:`MASTER_PORT` (port 29500 if unset). `RDMACOMM_TIMEOUT`
+//! (seconds, default 30) bounds every wait. `RDMACOMM_BIND_ADDR` is this rank's own IP (the source
+//! of its bootstrap connection). World size 1 needs none of these.
+
+use crate::error::{Error, Result};
+use crate::verbs::DeviceChoice;
+use std::time::Duration;
+
+/// The default timeout for every wait on a peer.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Everything a rank needs to join a communicator.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// This rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Rank 0's rendezvous address, `host:port`.
+    pub coordinator: String,
+    /// This rank's own IP address for the bootstrap connection (optional).
+    pub bind_addr: Option<String>,
+    /// Longest wait on any peer without progress.
+    pub timeout: Duration,
+    /// Which RDMA device, port and GID to use.
+    pub device: DeviceChoice,
+    /// Bytes per staging slot (one RDMA write at most).
+    pub slot_bytes: usize,
+    /// Slots per peer and direction (writes in flight per peer).
+    pub slots: usize,
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+    v.trim()
+        .parse::<T>()
+        .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
+}
+
+fn pair(r: &str, s: &str) -> Result<Option<(usize, usize)>> {
+    match (env(r), env(s)) {
+        (Some(a), Some(b)) => Ok(Some((parse_num(r, &a)?, parse_num(s, &b)?))),
+        (Some(_), None) => Err(Error::Config(format!("{r} is set but {s} is not"))),
+        (None, Some(_)) => Err(Error::Config(format!("{s} is set but {r} is not"))),
+        (None, None) => Ok(None),
+    }
+}
+
+impl Config {
+    /// A config for `rank` of `world_size` meeting at `coordinator`, other fields from defaults
+    /// and the environment (`RDMACOMM_TIMEOUT`, device overrides, slot geometry).
+    pub fn new(rank: usize, world_size: usize, coordinator: impl Into<String>) -> Result<Self> {
+        let timeout = match env("RDMACOMM_TIMEOUT") {
+            Some(v) => {
+                let secs: f64 = parse_num("RDMACOMM_TIMEOUT", &v)?;
+                if !(secs > 0.0 && secs.is_finite()) {
+                    return Err(Error::Config(format!(
+                        "RDMACOMM_TIMEOUT={v}: must be > 0 seconds"
+                    )));
+                }
+                Duration::from_secs_f64(secs)
+            }
+            None => DEFAULT_TIMEOUT,
+        };
+        let slot_bytes = match env("RDMACOMM_SLOT_BYTES") {
+            Some(v) => parse_num("RDMACOMM_SLOT_BYTES", &v)?,
+            None => 256 * 1024,
+        };
+        let slots = match env("RDMACOMM_SLOTS") {
+            Some(v) => parse_num("RDMACOMM_SLOTS", &v)?,
+            None => 8,
+        };
+        let cfg = Config {
+            rank,
+            world_size,
+            coordinator: coordinator.into(),
+            bind_addr: env("RDMACOMM_BIND_ADDR"),
+            timeout,
+            device: DeviceChoice::from_env()?,
+            slot_bytes,
+            slots,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads rank, world size and coordinator from the environment (see the module docs).
+    pub fn from_env() -> Result<Self> {
+        let (rank, size) = if let Some(p) = pair("RDMACOMM_RANK", "RDMACOMM_WORLD_SIZE")? {
+            p
+        } else if let Some(p) = pair("RANK", "WORLD_SIZE")? {
+            p
+        } else if let Some(p) = pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
+            p
+        } else if let Some(p) = pair("PMI_RANK", "PMI_SIZE")? {
+            p
+        } else if let Some(p) = pair("SLURM_PROCID", "SLURM_NTASKS")? {
+            p
+        } else {
+            (0, 1)
+        };
+        let coordinator = match env("RDMACOMM_COORDINATOR") {
+            Some(c) => c,
+            None => match env("MASTER_ADDR") {
+                Some(a) => format!("{a}:{}", env("MASTER_PORT").unwrap_or_else(|| "29500".into())),
+                None if size == 1 => String::new(),
+                None => {
+                    return Err(Error::Config(format!(
+                        "rank {rank} of {size}: no coordinator address; set RDMACOMM_COORDINATOR=host:port \
+                         or MASTER_ADDR (and MASTER_PORT)"
+                    )))
+                }
+            },
+        };
+        Config::new(rank, size, coordinator)
+    }
+
+    /// Checks ranges and geometry.
+    pub fn validate(&self) -> Result<()> {
+        if self.world_size == 0 {
+            return Err(Error::Config("world size must be at least 1".into()));
+        }
+        if self.rank >= self.world_size {
+            return Err(Error::Config(format!(
+                "rank {} is out of range for world size {} (ranks are 0..{})",
+                self.rank, self.world_size, self.world_size
+            )));
+        }
+        if self.slot_bytes < 4096 || self.slot_bytes % 64 != 0 || self.slot_bytes > (1 << 30) {
+            return Err(Error::Config(format!(
+                "RDMACOMM_SLOT_BYTES={}: must be a multiple of 64 between 4096 and 1 GiB",
+                self.slot_bytes
+            )));
+        }
+        if !(2..=256).contains(&self.slots) {
+            return Err(Error::Config(format!(
+                "RDMACOMM_SLOTS={}: must be 2..=256",
+                self.slots
+            )));
+        }
+        if self.world_size > 1 && self.coordinator.is_empty() {
+            return Err(Error::Config("no coordinator address (host:port)".into()));
+        }
+        Ok(())
+    }
+}

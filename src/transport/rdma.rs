@@ -1,0 +1,488 @@
+//! The RDMA transport: one reliable-connected QP per peer, one registered buffer holding every
+//! peer's receive slots, send staging slots and credit words, and RDMA WRITE_WITH_IMM into the
+//! peer's slots with credit-based flow control (never RNR).
+//!
+//! Protocol, per ordered pair (writer w, reader r), with S slots of B bytes:
+//! - chunk number k goes to r's slot `k % S` (a WRITE_WITH_IMM; the immediate is `k`, the
+//!   receive completion's byte count is the length);
+//! - w may post chunk k only when r has consumed chunk k-S: r reports its consumed count by an
+//!   8-byte inline RDMA WRITE into w's credit word for r;
+//! - w reuses its staging slot `k % S` only after the write of chunk k-S completed.
+
+use crate::config::Config;
+use crate::error::{Error, Peer, Result};
+use crate::transport::bootstrap::{rendezvous, Reader, SideChannel};
+use crate::transport::Link;
+use crate::verbs::{self, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer, RetryPolicy};
+use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const KIND_DATA: u64 = 0;
+const KIND_CREDIT: u64 = 1;
+const KIND_RECV: u64 = 2;
+
+fn wr_id(kind: u64, peer: usize, index: u64) -> u64 {
+    (kind << 62) | ((peer as u64) << 48) | (index & 0xffff_ffff_ffff)
+}
+
+/// The remote half of a link: where to write on the peer.
+#[derive(Debug, Clone, Copy, Default)]
+struct Remote {
+    addr: u64,
+    rkey: u32,
+}
+
+struct PeerState {
+    qp: RcQueuePair,
+    remote: Remote,
+    /// Chunks posted to this peer.
+    sent: u64,
+    /// Data writes completed.
+    send_done: u64,
+    /// WRs posted on this QP, and completed (all WRs before a completed signaled one are done).
+    wr_posted: u64,
+    wr_done: u64,
+    unsignaled: u32,
+    /// Chunks arrived from this peer, and consumed.
+    arrived: u64,
+    consumed: u64,
+    /// Length of each arrived, unconsumed chunk, by slot.
+    lens: Vec<u32>,
+}
+
+/// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then credits.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    n: usize,
+    slots: usize,
+    slot: usize,
+}
+
+impl Layout {
+    fn region(&self) -> usize {
+        self.slots * self.slot
+    }
+    fn recv_off(&self, p: usize, k: u64) -> usize {
+        p * self.region() + (k as usize % self.slots) * self.slot
+    }
+    fn send_off(&self, p: usize, k: u64) -> usize {
+        (self.n + p) * self.region() + (k as usize % self.slots) * self.slot
+    }
+    fn credit_off(&self, p: usize) -> usize {
+        2 * self.n * self.region() + p * 64
+    }
+    fn total(&self) -> usize {
+        2 * self.n * self.region() + self.n * 64
+    }
+}
+
+/// Idle-polling policy: spin, then yield, then sleep briefly.
+#[derive(Debug, Clone, Copy)]
+pub enum PollMode {
+    /// Spin for a while, then yield, then sleep in short naps (default).
+    Adaptive,
+    /// Never sleep (lowest latency, burns a core while waiting).
+    Spin,
+}
+
+/// The RDMA transport of one rank. Field order is drop order: QPs before the CQ and the buffer.
+pub struct RdmaTransport {
+    peers: Vec<Option<PeerState>>,
+    cq: CompletionQueue,
+    buf: RegisteredBuffer,
+    _pd: Arc<ProtectionDomain>,
+    _ctx: Arc<DeviceContext>,
+    side: SideChannel,
+    layout: Layout,
+    rank: usize,
+    addrs: Vec<String>,
+    timeout: Duration,
+    last_progress: Instant,
+    idle_polls: u32,
+    poll_mode: PollMode,
+    device: String,
+    /// The first fatal error (QP failure), kept to name the peer.
+    failed: Option<(usize, String)>,
+}
+
+impl RdmaTransport {
+    /// Opens the device, registers memory, creates one QP per peer, meets every rank through the
+    /// bootstrap, and connects. Every rank of `cfg.world_size` must call this.
+    pub fn connect(cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        let n = cfg.world_size;
+        let (ctx, sel) = verbs::open(&cfg.device)?;
+        let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
+            op: "allocate protection domain",
+            detail: format!("{e:?}"),
+        })?;
+        let layout = Layout {
+            n,
+            slots: cfg.slots,
+            slot: cfg.slot_bytes,
+        };
+        let buf = RegisteredBuffer::new(&pd, layout.total())?;
+        let s = cfg.slots as u32;
+        let send_depth = 2 * s + 16;
+        let cq_depth = ((send_depth + s) * (n as u32 - 1).max(1)).max(64);
+        let cq = CompletionQueue::new(&ctx, cq_depth)?;
+        let mut qps: Vec<Option<RcQueuePair>> = Vec::with_capacity(n);
+        for p in 0..n {
+            qps.push(if p == cfg.rank {
+                None
+            } else {
+                Some(RcQueuePair::new(&pd, &cq, &sel, send_depth, s)?)
+            });
+        }
+        // Our card: geometry, buffer address and key, and one endpoint per rank.
+        let mut card = Vec::new();
+        card.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
+        card.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
+        card.extend_from_slice(&buf.addr().to_le_bytes());
+        card.extend_from_slice(&buf.rkey().to_le_bytes());
+        for qp in &qps {
+            let e = qp.as_ref().map(|q| q.endpoint()).unwrap_or_default();
+            card.extend_from_slice(&e.qpn.to_le_bytes());
+            card.extend_from_slice(&e.psn.to_le_bytes());
+            card.extend_from_slice(&(e.lid as u32).to_le_bytes());
+            card.extend_from_slice(&(e.mtu as u32).to_le_bytes());
+            card.extend_from_slice(&e.gid);
+        }
+        let rv = rendezvous(cfg, &card)?;
+        let mut side = rv.side;
+        let policy = RetryPolicy::default();
+        let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
+        for (p, qp) in qps.into_iter().enumerate() {
+            let Some(mut qp) = qp else {
+                peers.push(None);
+                continue;
+            };
+            let addr_p = &rv.addrs[p];
+            let mut r = Reader(&rv.cards[p]);
+            let (slots, slot) = (r.u32()? as usize, r.u32()? as usize);
+            if slots != cfg.slots || slot != cfg.slot_bytes {
+                return Err(Error::Config(format!(
+                    "rank {p} ({addr_p}) uses {slots} slots of {slot} bytes but rank {} uses {} of {}: \
+                     set RDMACOMM_SLOTS / RDMACOMM_SLOT_BYTES alike on every rank",
+                    cfg.rank, cfg.slots, cfg.slot_bytes
+                )));
+            }
+            let remote = Remote {
+                addr: r.u64()?,
+                rkey: r.u32()?,
+            };
+            let mut mine = Endpoint::default();
+            for q in 0..n {
+                let e = Endpoint {
+                    qpn: r.u32()?,
+                    psn: r.u32()?,
+                    lid: r.u32()? as u16,
+                    mtu: r.u32()? as u8,
+                    gid: r.take(16)?.try_into().expect("16 bytes"),
+                };
+                if q == cfg.rank {
+                    mine = e;
+                }
+            }
+            for k in 0..cfg.slots as u64 {
+                qp.post_recv(wr_id(KIND_RECV, p, k))?;
+            }
+            qp.connect(&mine, policy).map_err(|e| Error::PeerFailed {
+                peer: Peer {
+                    rank: p,
+                    addr: addr_p.clone(),
+                },
+                reason: format!("connecting the queue pair: {e}"),
+            })?;
+            peers.push(Some(PeerState {
+                qp,
+                remote,
+                sent: 0,
+                send_done: 0,
+                wr_posted: 0,
+                wr_done: 0,
+                unsignaled: 0,
+                arrived: 0,
+                consumed: 0,
+                lens: vec![0; cfg.slots],
+            }));
+        }
+        // Nobody writes before every QP is ready to receive.
+        side.barrier()?;
+        let poll_mode = match std::env::var("RDMACOMM_POLL").as_deref() {
+            Ok("spin") => PollMode::Spin,
+            _ => PollMode::Adaptive,
+        };
+        Ok(RdmaTransport {
+            peers,
+            cq,
+            buf,
+            _pd: pd,
+            _ctx: ctx,
+            side,
+            layout,
+            rank: cfg.rank,
+            addrs: rv.addrs,
+            timeout: cfg.timeout,
+            last_progress: Instant::now(),
+            idle_polls: 0,
+            poll_mode,
+            device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
+            failed: None,
+        })
+    }
+
+    /// The device, port and GID in use, in words.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// The side channel (barrier, health).
+    pub fn side(&mut self) -> &mut SideChannel {
+        &mut self.side
+    }
+
+    fn state(&mut self, p: usize) -> &mut PeerState {
+        self.peers[p].as_mut().expect("no link to self")
+    }
+
+    fn fail(&mut self, p: usize, reason: String) -> Error {
+        if self.failed.is_none() {
+            self.failed = Some((p, reason.clone()));
+        }
+        Error::PeerFailed {
+            peer: self.peer(p),
+            reason,
+        }
+    }
+
+    /// Polls the CQ once; returns whether anything completed.
+    fn poll(&mut self) -> Result<bool> {
+        let mut events: [(u64, u32, u32, u32); 64] = [(0, 0, 0, 0); 64];
+        let mut m = 0;
+        self.cq.poll(|c| {
+            if m < events.len() {
+                events[m] = (c.wr_id, c.status, c.byte_len, c.imm);
+                m += 1;
+            }
+        })?;
+        for &(id, status, len, imm) in &events[..m] {
+            let kind = id >> 62;
+            let p = ((id >> 48) & 0x3fff) as usize;
+            let index = id & 0xffff_ffff_ffff;
+            if status != 0 {
+                let what = match kind {
+                    KIND_DATA => "an RDMA write of data",
+                    KIND_CREDIT => "an RDMA write of credits",
+                    _ => "a receive",
+                };
+                return Err(self.fail(p, format!("{what} failed: {}", verbs::status_str(status))));
+            }
+            let slots = self.layout.slots as u64;
+            let st = self.state(p);
+            match kind {
+                KIND_RECV => {
+                    let k = st.arrived;
+                    if imm != (k & 0xffff_ffff) as u32 {
+                        let e =
+                            format!("protocol error: chunk {imm} arrived where {k} was expected");
+                        return Err(self.fail(p, e));
+                    }
+                    st.lens[(k % slots) as usize] = len;
+                    st.arrived += 1;
+                    st.qp.post_recv(wr_id(KIND_RECV, p, k + slots))?;
+                }
+                _ => {
+                    st.wr_done = st.wr_done.max(index + 1);
+                    if kind == KIND_DATA {
+                        st.send_done += 1;
+                    }
+                }
+            }
+        }
+        Ok(m > 0)
+    }
+
+    /// Posts a WR on `p`'s QP, signaling when needed so the send queue never fills.
+    fn post(
+        &mut self,
+        p: usize,
+        kind: u64,
+        off: usize,
+        len: usize,
+        remote_off: usize,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let lkey = self.buf.lkey();
+        let local = self.buf.addr() + off as u64;
+        let st = self.peers[p].as_mut().expect("no link to self");
+        let signaled = kind == KIND_DATA || st.unsignaled >= 8;
+        let id = wr_id(kind, p, st.wr_posted);
+        let remote_addr = st.remote.addr + remote_off as u64;
+        // SAFETY: the local range lies in our registered buffer (off/len from the layout), which
+        // outlives every QP (field order); the data slot is not reused before this write
+        // completes (send_done), and credit words are sent inline (copied at post time).
+        let r = unsafe {
+            st.qp.post_write(
+                id,
+                lkey,
+                local,
+                len as u32,
+                st.remote.rkey,
+                remote_addr,
+                imm,
+                signaled,
+            )
+        };
+        if let Err(e) = r {
+            return Err(self.fail(p, e.to_string()));
+        }
+        let st = self.state(p);
+        st.wr_posted += 1;
+        st.unsignaled = if signaled { 0 } else { st.unsignaled + 1 };
+        Ok(())
+    }
+
+    fn credits_from(&self, p: usize) -> u64 {
+        let ptr = self.buf.ptr_at(self.layout.credit_off(p)) as *const u64;
+        // SAFETY: an aligned u64 inside our buffer, written only by the peer's RDMA writes;
+        // read volatile since the HCA changes it behind the compiler's back.
+        let v = unsafe { std::ptr::read_volatile(ptr) };
+        fence(Ordering::Acquire);
+        v
+    }
+
+    /// Waits (bounded) until every posted write has completed, e.g. before teardown.
+    pub fn flush(&mut self) -> Result<()> {
+        self.begin();
+        loop {
+            let pending = (0..self.peers.len()).find(|&p| {
+                self.peers[p]
+                    .as_ref()
+                    .is_some_and(|s| s.wr_done < s.wr_posted && s.send_done < s.sent)
+            });
+            match pending {
+                None => return Ok(()),
+                Some(p) => self.progress(p)?,
+            }
+        }
+    }
+}
+
+impl Link for RdmaTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.layout.n
+    }
+
+    fn peer(&self, rank: usize) -> Peer {
+        Peer {
+            rank,
+            addr: self.addrs.get(rank).cloned().unwrap_or_default(),
+        }
+    }
+
+    fn max_chunk(&self) -> usize {
+        self.layout.slot
+    }
+
+    fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
+        debug_assert!(data.len() <= self.layout.slot);
+        let slots = self.layout.slots as u64;
+        let credits = self.credits_from(p);
+        let st = self.state(p);
+        let k = st.sent;
+        let sq_room = st.wr_posted - st.wr_done + 2 < 2 * slots + 16;
+        if k >= credits + slots || k >= st.send_done + slots || !sq_room {
+            return Ok(false);
+        }
+        let off = self.layout.send_off(p, k);
+        self.buf.slice_mut(off, data.len()).copy_from_slice(data);
+        let remote_off = self.layout.recv_off(self.rank, k);
+        self.post(p, KIND_DATA, off, data.len(), remote_off, Some(k as u32))?;
+        self.state(p).sent += 1;
+        self.last_progress = Instant::now();
+        Ok(true)
+    }
+
+    fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        let slots = self.layout.slots as u64;
+        let st = self.state(p);
+        if st.consumed >= st.arrived {
+            return Ok(false);
+        }
+        let k = st.consumed;
+        let len = st.lens[(k % slots) as usize] as usize;
+        let off = self.layout.recv_off(p, k);
+        f(self.buf.slice(off, len))?;
+        let st = self.state(p);
+        st.consumed += 1;
+        let consumed = st.consumed;
+        // Return the credit: our consumed count into the writer's credit word for us (inline).
+        let credit_remote = self.layout.credit_off(self.rank);
+        let tmp_off = self.layout.credit_off(p) + 8; // a scratch word beside p's credit word
+        self.buf
+            .slice_mut(tmp_off, 8)
+            .copy_from_slice(&consumed.to_le_bytes());
+        self.post(p, KIND_CREDIT, tmp_off, 8, credit_remote, None)?;
+        self.last_progress = Instant::now();
+        Ok(true)
+    }
+
+    fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        if let Some((p, why)) = &self.failed {
+            return Err(Error::PeerFailed {
+                peer: self.peer(*p),
+                reason: why.clone(),
+            });
+        }
+        if self.poll()? {
+            self.last_progress = Instant::now();
+            self.idle_polls = 0;
+            return Ok(());
+        }
+        self.idle_polls = self.idle_polls.saturating_add(1);
+        if self.last_progress.elapsed() > self.timeout {
+            return Err(Error::Timeout {
+                peer: self.peer(waiting_on),
+                what: "RDMA transfer made no progress".into(),
+                after: self.timeout,
+            });
+        }
+        match self.poll_mode {
+            PollMode::Spin => std::hint::spin_loop(),
+            PollMode::Adaptive => {
+                if self.idle_polls < 2000 {
+                    std::hint::spin_loop();
+                } else if self.idle_polls < 4000 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn begin(&mut self) {
+        self.last_progress = Instant::now();
+        self.idle_polls = 0;
+    }
+}
+
+impl Drop for RdmaTransport {
+    fn drop(&mut self) {
+        // Let posted writes land (bounded) before the QPs and memory go away.
+        if self.failed.is_none() {
+            let t = self.timeout;
+            self.timeout = t.min(Duration::from_secs(5));
+            let _ = self.flush();
+        }
+    }
+}

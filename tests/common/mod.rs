@@ -1,0 +1,177 @@
+//! Test harness: runs a test body as N rank processes (this test binary re-executed), and
+//! decides whether RDMA tests run here.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Env var that marks a child rank process and names the test it runs.
+pub const CHILD: &str = "RDMACOMM_TEST_CHILD";
+
+/// Whether this process is a rank child of test `name`.
+pub fn is_child(name: &str) -> bool {
+    std::env::var(CHILD).is_ok_and(|v| v == name)
+}
+
+/// This child's rank and world size (set by [`spawn`]).
+pub fn rank_size() -> (usize, usize) {
+    let r = std::env::var("RDMACOMM_RANK").unwrap().parse().unwrap();
+    let n = std::env::var("RDMACOMM_WORLD_SIZE")
+        .unwrap()
+        .parse()
+        .unwrap();
+    (r, n)
+}
+
+/// Whether an RDMA device is usable here. Returns false after printing why when RDMA tests
+/// should be skipped; panics when `RDMACOMM_REQUIRE_RDMA=1` (the VM stage of CI) and none is.
+pub fn rdma_available() -> bool {
+    match rdmacomm::verbs::list_ports() {
+        Ok(ports) if ports.iter().any(|p| p.active) => true,
+        other => {
+            let why = match other {
+                Ok(_) => "no ACTIVE RDMA port".to_string(),
+                Err(e) => e.to_string(),
+            };
+            if std::env::var("RDMACOMM_REQUIRE_RDMA").is_ok_and(|v| v == "1") {
+                panic!("RDMACOMM_REQUIRE_RDMA=1 but RDMA is not usable: {why}");
+            }
+            eprintln!("SKIPPED (needs RDMA; run under tools/rxe-vm): {why}");
+            false
+        }
+    }
+}
+
+/// A free TCP port on loopback (for the coordinator).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Number of soft-RoCE "hosts" the VM made (0 outside `tools/rxe-vm --hosts N`).
+pub fn vm_hosts() -> usize {
+    std::env::var("RXE_HOSTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The outcome of one rank process.
+#[derive(Debug)]
+pub struct RankResult {
+    /// Rank.
+    pub rank: usize,
+    /// Exit code (None: killed).
+    pub code: Option<i32>,
+    /// Combined output.
+    pub output: String,
+}
+
+/// How ranks are placed: all on the default device, or rank i on VM host i % hosts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Every rank on the default device (rxe0 on lo in the VM), coordinator on 127.0.0.1.
+    Local,
+    /// Rank i on host i % RXE_HOSTS (its own rxe device and IP); coordinator on host 0's IP.
+    Hosts,
+}
+
+/// Runs test `name` as `n` ranks; `env(rank)` adds variables. Kills all after `limit`.
+pub fn spawn(
+    name: &str,
+    n: usize,
+    placement: Placement,
+    env: &dyn Fn(usize) -> Vec<(String, String)>,
+    limit: Duration,
+) -> Vec<RankResult> {
+    let exe = std::env::current_exe().unwrap();
+    let port = free_port();
+    let hosts = vm_hosts();
+    let coord_ip = match placement {
+        Placement::Hosts if hosts > 0 => std::env::var("RXE_IP_0").unwrap(),
+        _ => "127.0.0.1".to_string(),
+    };
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut c = Command::new(&exe);
+        c.args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, name)
+            .env("RDMACOMM_RANK", r.to_string())
+            .env("RDMACOMM_WORLD_SIZE", n.to_string())
+            .env("RDMACOMM_COORDINATOR", format!("{coord_ip}:{port}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if placement == Placement::Hosts && hosts > 0 {
+            let h = r % hosts;
+            c.env(
+                "RDMACOMM_IB_DEVICE",
+                std::env::var(format!("RXE_DEV_{h}")).unwrap(),
+            )
+            .env(
+                "RDMACOMM_BIND_ADDR",
+                std::env::var(format!("RXE_IP_{h}")).unwrap(),
+            );
+        } else if let Ok(d) = std::env::var("RXE_DEV") {
+            c.env("RDMACOMM_IB_DEVICE", d);
+        }
+        for (k, v) in env(r) {
+            c.env(k, v);
+        }
+        children.push(c.spawn().expect("spawn rank"));
+    }
+    let deadline = Instant::now() + limit;
+    let mut codes: Vec<Option<Option<i32>>> = (0..n).map(|_| None).collect();
+    while codes.iter().any(|c| c.is_none()) {
+        for (r, ch) in children.iter_mut().enumerate() {
+            if codes[r].is_none() {
+                if let Some(st) = ch.try_wait().unwrap() {
+                    codes[r] = Some(st.code());
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            for (r, ch) in children.iter_mut().enumerate() {
+                if codes[r].is_none() {
+                    let _ = ch.kill();
+                    codes[r] = Some(None);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(r, ch)| {
+            let out = ch.wait_with_output().unwrap();
+            RankResult {
+                rank: r,
+                code: codes[r].unwrap(),
+                output: format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            }
+        })
+        .collect()
+}
+
+/// Asserts every rank exited 0, printing all output otherwise.
+pub fn assert_all_ok(results: &[RankResult]) {
+    let bad: Vec<&RankResult> = results.iter().filter(|r| r.code != Some(0)).collect();
+    if !bad.is_empty() {
+        for r in results {
+            eprintln!(
+                "----- rank {} (exit {:?}) -----\n{}",
+                r.rank, r.code, r.output
+            );
+        }
+        panic!("{} of {} ranks failed", bad.len(), results.len());
+    }
+}
