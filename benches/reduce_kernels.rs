@@ -42,7 +42,7 @@ fn main() {
             black_box(&dst);
         });
         let cp = 2.0 * size as f64 / t_cp.as_secs_f64() / 1e9;
-        let mut rate = |dtype: DType| {
+        let rate = |dtype: DType| {
             // Values that stay finite under repeated adds.
             let mut acc = vec![0u8; size];
             let s = vec![0u8; size];

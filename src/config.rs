@@ -103,10 +103,8 @@ impl Config {
             p
         } else if let Some(p) = pair("PMI_RANK", "PMI_SIZE")? {
             p
-        } else if let Some(p) = pair("SLURM_PROCID", "SLURM_NTASKS")? {
-            p
         } else {
-            (0, 1)
+            pair("SLURM_PROCID", "SLURM_NTASKS")?.unwrap_or((0, 1))
         };
         let coordinator = match env("RDMACOMM_COORDINATOR") {
             Some(c) => c,

@@ -12,6 +12,7 @@ pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod launch;
 pub mod reduce;
 pub mod transport;
 pub mod verbs;

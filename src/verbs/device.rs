@@ -223,12 +223,14 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
             let (gid_index, gid) = match choice.gid_index {
                 Some(idx) => match p.gids.iter().find(|e| e.0 == idx) {
                     Some(e) => (e.0, e.1),
-                    None => return Err(Error::Config(format!(
+                    None => {
+                        return Err(Error::Config(format!(
                         "RDMACOMM_GID_INDEX={idx}: {name} port {} has no such GID (valid: {:?}); \
                              see `ibv_devinfo -v` or `show_gids`",
                         p.port,
                         p.gids.iter().map(|e| e.0).collect::<Vec<_>>()
-                    ))),
+                    )))
+                    }
                 },
                 None if !ethernet => (0, p.gids.first().map(|e| e.1).unwrap_or_default()),
                 None => match pick_gid(&p.gids) {

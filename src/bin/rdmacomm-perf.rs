@@ -1,0 +1,364 @@
+//! `rdmacomm-perf`: collective bandwidth and latency in the style of nccl-tests.
+//!
+//! Per rank under any launcher (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Open MPI, PMI, Slurm),
+//! or `--local N` to start N local ranks itself. Sizes from `-b` to `-e` by factor `-f`; `-n`
+//! timed iterations after `-w` warm-ups; `-c 1` checks every result against a reference;
+//! `-d` dtype, `-o` op, `--coll all_reduce|all_gather|sum_scatter|sendrecv`.
+//! busbw as nccl-tests: all_reduce algbw x 2(n-1)/n; all_gather, sum_scatter algbw x (n-1)/n;
+//! sendrecv algbw. Time is the slowest rank's mean per iteration.
+
+use rdmacomm::{AllReduce, Communicator, DType, RdmaComm};
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+struct Opts {
+    min: usize,
+    max: usize,
+    factor: usize,
+    iters: usize,
+    warmup: usize,
+    check: bool,
+    dtype: DType,
+    op: AllReduce,
+    coll: String,
+    local: Option<usize>,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|v| v * mul)
+        .map_err(|_| format!("bad size {s:?}"))
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut o = Opts {
+        min: 8,
+        max: 64 << 20,
+        factor: 2,
+        iters: 20,
+        warmup: 5,
+        check: true,
+        dtype: DType::f32,
+        op: AllReduce::Sum,
+        coll: "all_reduce".into(),
+        local: None,
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        let v = args.get(i + 1).cloned().unwrap_or_default();
+        match a {
+            "-b" | "--minbytes" => o.min = parse_size(&v)?,
+            "-e" | "--maxbytes" => o.max = parse_size(&v)?,
+            "-f" | "--stepfactor" => o.factor = v.parse().map_err(|_| "bad -f")?,
+            "-n" | "--iters" => o.iters = v.parse().map_err(|_| "bad -n")?,
+            "-w" | "--warmup_iters" => o.warmup = v.parse().map_err(|_| "bad -w")?,
+            "-c" | "--check" => o.check = v != "0",
+            "-d" | "--datatype" => o.dtype = DType::parse(&v).map_err(|e| e.to_string())?,
+            "-o" | "--op" => o.op = AllReduce::parse(&v).map_err(|e| e.to_string())?,
+            "--coll" => o.coll = v.clone(),
+            "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
+            "-h" | "--help" => {
+                println!(
+                    "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] \
+                     [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
+                     [--coll all_reduce|all_gather|sum_scatter|sendrecv]"
+                );
+                std::process::exit(0);
+            }
+            _ => return Err(format!("unknown option {a:?} (see --help)")),
+        }
+        i += 2;
+    }
+    if !["all_reduce", "all_gather", "sum_scatter", "sendrecv"].contains(&o.coll.as_str()) {
+        return Err(format!("unknown --coll {:?}", o.coll));
+    }
+    if o.factor < 2 || o.iters == 0 || o.min > o.max {
+        return Err("need -f >= 2, -n >= 1 and -b <= -e".into());
+    }
+    Ok(o)
+}
+
+/// Small values that every dtype holds exactly, so sums, products, min and max are exact.
+fn value(op: AllReduce, rank: usize, i: usize) -> f64 {
+    match op {
+        AllReduce::Prod => {
+            if (rank + i) % 3 == 0 {
+                -1.0
+            } else {
+                1.0
+            }
+        }
+        _ => ((rank + i) % 8) as f64,
+    }
+}
+
+fn encode(dtype: DType, v: f64, out: &mut [u8]) {
+    match dtype {
+        DType::f32 => out.copy_from_slice(&(v as f32).to_le_bytes()),
+        DType::f64 => out.copy_from_slice(&v.to_le_bytes()),
+        DType::f16 => out.copy_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+        DType::bf16 => out.copy_from_slice(&half::bf16::from_f64(v).to_le_bytes()),
+        _ => {
+            let x = v as i64;
+            out.copy_from_slice(&x.to_le_bytes()[..dtype.size()]);
+        }
+    }
+}
+
+fn decode(dtype: DType, b: &[u8]) -> f64 {
+    match dtype {
+        DType::f32 => f32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::f64 => f64::from_le_bytes(b.try_into().unwrap()),
+        DType::f16 => half::f16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DType::bf16 => half::bf16::from_le_bytes(b.try_into().unwrap()).to_f64(),
+        DType::i8 => b[0] as i8 as f64,
+        DType::u8 => b[0] as f64,
+        DType::i32 => i32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::u32 => u32::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::i64 => i64::from_le_bytes(b.try_into().unwrap()) as f64,
+        DType::u64 => u64::from_le_bytes(b.try_into().unwrap()) as f64,
+    }
+}
+
+fn reference(op: AllReduce, n: usize, i: usize) -> f64 {
+    let v = (0..n).map(|r| value(op, r, i));
+    match op {
+        AllReduce::Sum => v.sum(),
+        AllReduce::Prod => v.product(),
+        AllReduce::Min => v.fold(f64::INFINITY, f64::min),
+        AllReduce::Max => v.fold(f64::NEG_INFINITY, f64::max),
+    }
+}
+
+fn fill(dtype: DType, op: AllReduce, rank: usize, first: usize, buf: &mut [u8]) {
+    let s = dtype.size();
+    for (j, e) in buf.chunks_mut(s).enumerate() {
+        encode(dtype, value(op, rank, first + j), e);
+    }
+}
+
+/// Runs one size once; returns wrong-element count when checking.
+fn run_once(
+    c: &RdmaComm,
+    o: &Opts,
+    bytes: usize,
+    a: &mut [u8],
+    b: &mut [u8],
+    check: bool,
+) -> rdmacomm::Result<u64> {
+    let (r, n, s) = (c.rank(), c.size(), o.dtype.size());
+    let mut wrong = 0u64;
+    match o.coll.as_str() {
+        "all_reduce" => {
+            let buf = &mut a[..bytes];
+            if check {
+                fill(o.dtype, o.op, r, 0, buf);
+            }
+            c.all_reduce(o.op, o.dtype, buf)?;
+            if check {
+                for (i, e) in buf.chunks(s).enumerate() {
+                    wrong += u64::from(decode(o.dtype, e) != reference(o.op, n, i));
+                }
+            }
+        }
+        "all_gather" => {
+            let per = bytes / n;
+            if check {
+                fill(o.dtype, AllReduce::Sum, r, 0, &mut a[..per]);
+            }
+            c.all_gather(&a[..per], &mut b[..per * n])?;
+            if check {
+                for q in 0..n {
+                    for (i, e) in b[q * per..(q + 1) * per].chunks(s).enumerate() {
+                        wrong += u64::from(decode(o.dtype, e) != value(AllReduce::Sum, q, i));
+                    }
+                }
+            }
+        }
+        "sum_scatter" => {
+            let per = bytes / n;
+            if check {
+                fill(o.dtype, AllReduce::Sum, r, 0, &mut a[..per * n]);
+            }
+            c.sum_scatter(o.dtype, &a[..per * n], &mut b[..per])?;
+            if check {
+                for (j, e) in b[..per].chunks(s).enumerate() {
+                    wrong += u64::from(
+                        decode(o.dtype, e) != reference(AllReduce::Sum, n, r * per / s + j),
+                    );
+                }
+            }
+        }
+        _ => {
+            // Pairs (0,1), (2,3), ...: the even rank sends, then receives back. An odd rank out idles.
+            let peer = r ^ 1;
+            if peer < n {
+                if check {
+                    fill(o.dtype, AllReduce::Sum, r, 0, &mut a[..bytes]);
+                }
+                if r % 2 == 0 {
+                    c.send(peer, &a[..bytes])?;
+                    c.recv(peer, &mut b[..bytes])?;
+                } else {
+                    c.recv(peer, &mut b[..bytes])?;
+                    c.send(peer, &a[..bytes])?;
+                }
+                if check {
+                    for (i, e) in b[..bytes].chunks(s).enumerate() {
+                        wrong += u64::from(decode(o.dtype, e) != value(AllReduce::Sum, peer, i));
+                    }
+                }
+            }
+        }
+    }
+    Ok(wrong)
+}
+
+fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
+    let c = RdmaComm::from_env()?;
+    let (r, n, s) = (c.rank(), c.size(), o.dtype.size());
+    let unit = match o.coll.as_str() {
+        "all_gather" | "sum_scatter" => s * n,
+        _ => s,
+    };
+    let mut sizes = Vec::new();
+    let mut sz = o.min.max(unit);
+    while sz <= o.max {
+        sizes.push(sz / unit * unit);
+        sz *= o.factor;
+    }
+    let cap = sizes.iter().copied().max().unwrap_or(0);
+    let mut a = vec![0u8; cap];
+    let mut b = vec![0u8; cap];
+    let bus = match o.coll.as_str() {
+        "all_reduce" => 2.0 * (n as f64 - 1.0) / n as f64,
+        "all_gather" | "sum_scatter" => (n as f64 - 1.0) / n as f64,
+        _ => 1.0,
+    };
+    if r == 0 {
+        println!(
+            "# rdmacomm-perf: {} ranks, {}, {} {} {}",
+            n,
+            c.device().unwrap_or_else(|| "no transport (1 rank)".into()),
+            o.coll,
+            o.dtype.name(),
+            o.op.name()
+        );
+        println!(
+            "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>8} {:>8} {:>7}",
+            "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"
+        );
+        println!(
+            "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>8} {:>8} {:>7}",
+            "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+        );
+    }
+    let mut sum_bus = 0.0;
+    for &bytes in &sizes {
+        let mut wrong = if o.check {
+            run_once(&c, o, bytes, &mut a, &mut b, true)?
+        } else {
+            0
+        };
+        for _ in 0..o.warmup {
+            run_once(&c, o, bytes, &mut a, &mut b, false)?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..o.iters {
+            run_once(&c, o, bytes, &mut a, &mut b, false)?;
+        }
+        let mut us = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+        // Slowest rank's time and total wrong count.
+        let mut t = us.to_le_bytes();
+        c.all_reduce(AllReduce::Max, DType::f64, &mut t)?;
+        us = f64::from_le_bytes(t);
+        let mut w = wrong.to_le_bytes();
+        c.all_reduce(AllReduce::Sum, DType::u64, &mut w)?;
+        wrong = u64::from_le_bytes(w);
+        let algbw = bytes as f64 / us / 1e3;
+        let busbw = algbw * bus;
+        sum_bus += busbw;
+        if r == 0 {
+            println!(
+                "  {:>10} {:>12} {:>6} {:>6} {:>11.1} {:>8.4} {:>8.4} {:>7}",
+                bytes,
+                bytes / s,
+                o.dtype.name(),
+                if o.coll == "all_reduce" {
+                    o.op.name()
+                } else {
+                    "none"
+                },
+                us,
+                algbw,
+                busbw,
+                if o.check {
+                    wrong.to_string()
+                } else {
+                    "N/A".into()
+                }
+            );
+        }
+        if wrong > 0 {
+            return Err(rdmacomm::Error::InvalidArgument(format!(
+                "{wrong} wrong elements at {bytes} bytes"
+            )));
+        }
+    }
+    if r == 0 {
+        println!(
+            "# Avg bus bandwidth    : {:.4} GB/s",
+            sum_bus / sizes.len().max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+fn main() {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("rdmacomm-perf: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Some(n) = o.local {
+        let exe = std::env::current_exe()
+            .expect("own path")
+            .to_string_lossy()
+            .into_owned();
+        let mut args: Vec<String> = std::env::args().skip(1).collect();
+        if let Some(p) = args.iter().position(|a| a == "--local") {
+            args.drain(p..p + 2);
+        }
+        match rdmacomm::launch::run_local(n, &exe, &args, false) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("rdmacomm-perf: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
+    if let Err(e) = rank_main(&o) {
+        eprintln!(
+            "rdmacomm-perf (rank {}): {e}",
+            std::env::var("RANK").unwrap_or_default()
+        );
+        if matches!(e, rdmacomm::Error::NoDevice(_)) {
+            eprintln!(
+                "rdmacomm-perf: this host has no usable RDMA device, so ranks cannot connect over RDMA. \
+                 Run on an RDMA host, or in the soft-RoCE VM: tools/rxe-vm -- target/release/rdmacomm-perf --local 2"
+            );
+        }
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,46 @@
+//! `rdmacomm-run -n N [--] PROG ARGS...`: starts N local ranks of PROG with RANK, WORLD_SIZE,
+//! MASTER_ADDR and MASTER_PORT set, prefixes their output with the rank, and exits non-zero
+//! (stopping the rest) if any rank fails.
+
+fn usage() -> ! {
+    eprintln!("usage: rdmacomm-run -n N [--] PROG [ARGS...]");
+    std::process::exit(2)
+}
+
+fn main() {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut n = None;
+    while !args.is_empty() {
+        match args[0].as_str() {
+            "-n" | "--np" | "--nproc" if args.len() > 1 => {
+                n = args[1].parse::<usize>().ok().filter(|&v| v > 0);
+                if n.is_none() {
+                    eprintln!(
+                        "rdmacomm-run: -n takes a positive number, not {:?}",
+                        args[1]
+                    );
+                    std::process::exit(2);
+                }
+                args.drain(..2);
+            }
+            "--" => {
+                args.remove(0);
+                break;
+            }
+            "-h" | "--help" => usage(),
+            _ => break,
+        }
+    }
+    let Some(n) = n else { usage() };
+    if args.is_empty() {
+        usage()
+    }
+    let prog = args.remove(0);
+    match rdmacomm::launch::run_local(n, &prog, &args, true) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("rdmacomm-run: {e}");
+            std::process::exit(1)
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! Starting N local ranks of a program (the `rdmacomm-run` launcher, `rdmacomm-perf --local`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// Runs `prog args` as `n` local ranks with torchrun-style variables (`RANK`, `WORLD_SIZE`,
+/// `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), each output line prefixed
+/// with `[rank r]` when `prefix` is set. If any rank fails, the
+/// others are killed. Returns the first failing exit code, or 0.
+pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io::Result<i32> {
+    let port = match std::env::var("MASTER_PORT") {
+        Ok(p) => p,
+        Err(_) => TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port()
+            .to_string(),
+    };
+    let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    let mut pumps = Vec::new();
+    for r in 0..n {
+        let spawned = Command::new(prog)
+            .args(args)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", &addr)
+            .env("MASTER_PORT", &port)
+            .env_remove("RDMACOMM_RANK")
+            .env_remove("RDMACOMM_WORLD_SIZE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("cannot start {prog}: {e}"),
+                ));
+            }
+        };
+        let out = child.stdout.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        let tag = if prefix {
+            format!("[rank {r}] ")
+        } else {
+            String::new()
+        };
+        let t2 = tag.clone();
+        pumps.push(std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let mut o = std::io::stdout().lock();
+                let _ = writeln!(o, "{tag}{line}");
+            }
+        }));
+        pumps.push(std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut o = std::io::stderr().lock();
+                let _ = writeln!(o, "{t2}{line}");
+            }
+        }));
+        children.push(child);
+    }
+    let mut done = vec![false; n];
+    let mut code = 0;
+    while done.iter().any(|d| !d) {
+        for r in 0..n {
+            if done[r] {
+                continue;
+            }
+            if let Some(st) = children[r].try_wait()? {
+                done[r] = true;
+                if !st.success() && code == 0 {
+                    code = st.code().unwrap_or(1).max(1);
+                    eprintln!("rdmacomm-run: rank {r} failed ({st}); stopping the other ranks");
+                    for (q, c) in children.iter_mut().enumerate() {
+                        if !done[q] {
+                            let _ = c.kill();
+                        }
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for p in pumps {
+        let _ = p.join();
+    }
+    Ok(code)
+}

@@ -1,0 +1,309 @@
+//! Bootstrap failures end in clear errors on every rank that waited, never a hang: a rank that
+//! never joins, a world-size mismatch, a duplicated rank, a coordinator port already in use.
+//! Also: launcher variables are read in the documented order.
+
+mod common;
+use common::*;
+use rdmacomm::{Communicator, Config, RdmaComm};
+use std::time::{Duration, Instant};
+
+/// A rank: join, print the outcome, exit 0 on success and 3 on error.
+fn join_body() {
+    let t0 = Instant::now();
+    match RdmaComm::from_env() {
+        Ok(c) => {
+            println!("JOINED rank {} of {}", c.rank(), c.size());
+        }
+        Err(e) => {
+            println!("ERROR after {:.1}s: {e}", t0.elapsed().as_secs_f64());
+            std::process::exit(3);
+        }
+    }
+}
+
+fn short() -> Vec<(String, String)> {
+    vec![("RDMACOMM_TIMEOUT".into(), "4".into())]
+}
+
+#[test]
+fn missing_rank_is_named_on_every_waiting_rank() {
+    if is_child("missing_rank_is_named_on_every_waiting_rank") {
+        return join_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    // World of 3, only ranks 0 and 1 started.
+    let r = spawn(
+        "missing_rank_is_named_on_every_waiting_rank",
+        2,
+        Placement::Local,
+        &|_| {
+            let mut v = short();
+            v.push(("RDMACOMM_WORLD_SIZE".into(), "3".into()));
+            v
+        },
+        Duration::from_secs(60),
+    );
+    for x in &r {
+        assert_eq!(x.code, Some(3), "rank {} should fail: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("rank(s) [2] of 3 never joined"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+}
+
+#[test]
+fn world_size_mismatch_is_refused() {
+    if is_child("world_size_mismatch_is_refused") {
+        return join_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    let r = spawn(
+        "world_size_mismatch_is_refused",
+        2,
+        Placement::Local,
+        &|rank| {
+            let mut v = short();
+            if rank == 1 {
+                v.push(("RDMACOMM_WORLD_SIZE".into(), "3".into()));
+            }
+            v
+        },
+        Duration::from_secs(60),
+    );
+    for x in &r {
+        assert_eq!(x.code, Some(3), "rank {}: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("world size mismatch: rank 1"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+}
+
+#[test]
+fn duplicated_rank_is_refused() {
+    if is_child("duplicated_rank_is_refused") {
+        return join_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    // Three processes for a world of 3, but two of them claim rank 1.
+    let r = spawn(
+        "duplicated_rank_is_refused",
+        3,
+        Placement::Local,
+        &|rank| {
+            let mut v = short();
+            if rank == 2 {
+                v.push(("RDMACOMM_RANK".into(), "1".into()));
+            }
+            v
+        },
+        Duration::from_secs(60),
+    );
+    assert_eq!(r[0].code, Some(3), "{}", r[0].output);
+    assert!(
+        r[0].output.contains("rank 1 joined twice"),
+        "{}",
+        r[0].output
+    );
+    for x in &r[1..] {
+        assert_eq!(
+            x.code,
+            Some(3),
+            "rank {} must fail too: {}",
+            x.rank,
+            x.output
+        );
+    }
+}
+
+#[test]
+fn coordinator_port_in_use_is_named() {
+    if is_child("coordinator_port_in_use_is_named") {
+        return join_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    let port = free_port();
+    let _hold = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let r = spawn(
+        "coordinator_port_in_use_is_named",
+        2,
+        Placement::Local,
+        &|_| {
+            let mut v = short();
+            v.push(("RDMACOMM_COORDINATOR".into(), format!("127.0.0.1:{port}")));
+            v
+        },
+        Duration::from_secs(60),
+    );
+    assert_eq!(r[0].code, Some(3));
+    assert!(r[0].output.contains("already in use"), "{}", r[0].output);
+    assert_eq!(r[1].code, Some(3), "rank 1 must not hang: {}", r[1].output);
+}
+
+// ---- configuration from the environment (host-only: no device needed) ----
+
+fn with_env(vars: &[(&str, &str)], f: impl FnOnce()) {
+    // Tests in this binary run in one process: serialize environment edits.
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let keys = [
+        "RDMACOMM_RANK",
+        "RDMACOMM_WORLD_SIZE",
+        "RANK",
+        "WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RDMACOMM_COORDINATOR",
+        "RDMACOMM_TIMEOUT",
+    ];
+    let saved: Vec<_> = keys.iter().map(|k| (k, std::env::var(k).ok())).collect();
+    for k in keys {
+        std::env::remove_var(k);
+    }
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+    f();
+    for (k, v) in saved {
+        match v {
+            Some(v) => std::env::set_var(k, v),
+            None => std::env::remove_var(k),
+        }
+    }
+}
+
+#[test]
+fn launcher_variables_in_documented_order() {
+    with_env(
+        &[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.1.2.3"),
+        ],
+        || {
+            let c = Config::from_env().unwrap();
+            assert_eq!(
+                (c.rank, c.world_size, c.coordinator.as_str()),
+                (2, 4, "10.1.2.3:29500")
+            );
+        },
+    );
+    with_env(
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("RDMACOMM_COORDINATOR", "h:7"),
+        ],
+        || {
+            let c = Config::from_env().unwrap();
+            assert_eq!(
+                (c.rank, c.world_size, c.coordinator.as_str()),
+                (1, 2, "h:7")
+            );
+        },
+    );
+    with_env(
+        &[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "3"),
+            ("MASTER_ADDR", "a"),
+            ("MASTER_PORT", "9"),
+        ],
+        || {
+            let c = Config::from_env().unwrap();
+            assert_eq!(
+                (c.rank, c.world_size, c.coordinator.as_str()),
+                (0, 3, "a:9")
+            );
+        },
+    );
+    with_env(&[], || {
+        let c = Config::from_env().unwrap();
+        assert_eq!(
+            (c.rank, c.world_size),
+            (0, 1),
+            "no launcher: a world of one"
+        );
+    });
+}
+
+#[test]
+fn bad_configuration_says_what_to_fix() {
+    with_env(
+        &[("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "x")],
+        || {
+            let e = Config::from_env().unwrap_err().to_string();
+            assert!(e.contains("rank 4 is out of range for world size 4"), "{e}");
+        },
+    );
+    with_env(&[("RANK", "0"), ("WORLD_SIZE", "2")], || {
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(
+            e.contains("set RDMACOMM_COORDINATOR=host:port or MASTER_ADDR"),
+            "{e}"
+        );
+    });
+    with_env(&[("RANK", "0")], || {
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(e.contains("RANK is set but WORLD_SIZE is not"), "{e}");
+    });
+    with_env(&[("RDMACOMM_TIMEOUT", "soon")], || {
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(e.contains("RDMACOMM_TIMEOUT"), "{e}");
+    });
+}
+
+#[test]
+fn world_of_one_needs_no_device() {
+    let cfg = Config::new(0, 1, "").unwrap();
+    let c = RdmaComm::new(&cfg).unwrap();
+    let mut d = 1.5f32.to_le_bytes();
+    c.all_reduce(rdmacomm::AllReduce::Sum, rdmacomm::DType::f32, &mut d)
+        .unwrap();
+    assert_eq!(f32::from_le_bytes(d), 1.5);
+    let mut out = [0u8; 3];
+    c.all_gather(&[1, 2, 3], &mut out).unwrap();
+    assert_eq!(out, [1, 2, 3]);
+    assert!(c.send(0, &[1]).unwrap_err().to_string().contains("itself"));
+    assert!(c
+        .recv(1, &mut [0])
+        .unwrap_err()
+        .to_string()
+        .contains("out of range"));
+}
+
+#[test]
+fn no_device_is_a_clear_error() {
+    // On the host (no RDMA in the kernel) a world of 2 fails at once, saying why.
+    if rdmacomm::verbs::list_ports().is_ok() {
+        eprintln!("SKIPPED: this host has an RDMA device");
+        return;
+    }
+    let cfg = Config::new(0, 2, "127.0.0.1:1").unwrap();
+    let e = RdmaComm::new(&cfg)
+        .err()
+        .expect("must fail without a device")
+        .to_string();
+    assert!(e.starts_with("no usable RDMA device: "), "{e}");
+}
