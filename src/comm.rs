@@ -12,8 +12,6 @@ use std::sync::{Mutex, MutexGuard};
 struct Inner {
     /// None for a world of one.
     link: Option<RdmaTransport>,
-    /// Set by the first failure; every later call returns it.
-    poisoned: Option<String>,
     scratch: Vec<u8>,
 }
 
@@ -23,6 +21,8 @@ pub struct RdmaComm {
     rank: usize,
     size: usize,
     inner: Mutex<Inner>,
+    /// Set by the first failure; every later call returns it (readable while an op runs).
+    poisoned: Mutex<Option<String>>,
 }
 
 impl RdmaComm {
@@ -40,9 +40,9 @@ impl RdmaComm {
             size: cfg.world_size,
             inner: Mutex::new(Inner {
                 link,
-                poisoned: None,
                 scratch: Vec::new(),
             }),
+            poisoned: Mutex::new(None),
         })
     }
 
@@ -66,9 +66,7 @@ impl RdmaComm {
         f: impl FnOnce(&mut RdmaTransport, &mut Vec<u8>) -> Result<T>,
     ) -> Result<T> {
         let mut g = self.lock();
-        if let Some(why) = &g.poisoned {
-            return Err(Error::Poisoned(why.clone()));
-        }
+        self.check_usable()?;
         let inner = &mut *g;
         let link = inner
             .link
@@ -76,13 +74,20 @@ impl RdmaComm {
             .expect("world of one handled by the caller");
         let r = f(link, &mut inner.scratch);
         if let Err(e) = &r {
-            g.poisoned = Some(e.to_string());
+            self.poison(e);
         }
         r
     }
 
+    fn poison(&self, e: &Error) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_none() {
+            *p = Some(e.to_string());
+        }
+    }
+
     fn check_usable(&self) -> Result<()> {
-        match &self.lock().poisoned {
+        match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(why) => Err(Error::Poisoned(why.clone())),
             None => Ok(()),
         }
@@ -147,11 +152,22 @@ impl Communicator for RdmaComm {
         })
     }
 
+    /// Never blocks: while another thread runs an operation, reports what is known (that
+    /// operation itself fails within the timeout if a peer is lost).
     fn health(&self) -> Result<()> {
-        let g = self.lock();
-        if let Some(why) = &g.poisoned {
-            return Err(Error::Poisoned(why.clone()));
+        self.check_usable()?;
+        let mut g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(()),
+        };
+        let Some(link) = g.link.as_mut() else {
+            return Ok(());
+        };
+        let r = link.health();
+        if let Err(e) = &r {
+            self.poison(e);
         }
-        Ok(())
+        r
     }
 }

@@ -16,6 +16,7 @@ const TABLE: u8 = 3;
 const READY: u8 = 4;
 const GO: u8 = 5;
 const ABORT: u8 = 6;
+const BYE: u8 = 7;
 const MAX_FRAME: usize = 64 << 20;
 
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.
@@ -24,6 +25,16 @@ pub struct SideChannel {
     streams: Vec<Option<TcpStream>>,
     addrs: Vec<String>,
     timeout: Duration,
+    /// Bytes of a frame read so far, per stream (non-blocking mode).
+    pending: Vec<Vec<u8>>,
+    /// Ranks that said goodbye (their connection closing is then no failure).
+    left: Vec<bool>,
+    /// Close barrier: READY seen per rank (rank 0), GO seen (others).
+    ready: Vec<bool>,
+    go: bool,
+    /// The first failure learned here: (failed rank, reason).
+    failure: Option<(usize, String)>,
+    abort_sent: bool,
 }
 
 /// What the rendezvous returns: every rank's card and host address, and the side channel.
@@ -245,19 +256,32 @@ fn coordinate(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous
     Ok(Rendezvous {
         cards,
         addrs: addrs.clone(),
-        side: SideChannel {
-            rank: 0,
-            streams,
-            addrs,
-            timeout: cfg.timeout,
-        },
+        side: SideChannel::new(0, streams, addrs, cfg.timeout),
     })
 }
 
 fn join(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous> {
     let sa = resolve(&cfg.coordinator)?;
+    let bind = match &cfg.bind_addr {
+        Some(a) => Some(a.parse::<std::net::IpAddr>().map_err(|_| {
+            Error::Config(format!("RDMACOMM_BIND_ADDR={a:?} is not an IP address"))
+        })?),
+        None => None,
+    };
+    let connect = || -> std::io::Result<TcpStream> {
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(sa),
+            socket2::Type::STREAM,
+            None,
+        )?;
+        if let Some(ip) = bind {
+            sock.bind(&std::net::SocketAddr::new(ip, 0).into())?;
+        }
+        sock.connect_timeout(&sa.into(), Duration::from_secs(1))?;
+        Ok(sock.into())
+    };
     let mut s = loop {
-        match TcpStream::connect_timeout(&sa, Duration::from_secs(1)) {
+        match connect() {
             Ok(s) => break s,
             Err(e) => {
                 if Instant::now() >= deadline {
@@ -288,7 +312,10 @@ fn join(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous> {
         peer: coord.clone(),
         reason: format!("sending hello: {e}"),
     })?;
-    let (kind, body) = recv_frame(&mut s, deadline).map_err(|e| {
+    // Wait a little past our own deadline: the coordinator's verdict (which names the missing
+    // ranks) is sent at its deadline, which started no earlier than ours.
+    let grace = (cfg.timeout / 4).max(Duration::from_secs(2));
+    let (kind, body) = recv_frame(&mut s, deadline + grace).map_err(|e| {
         if e.kind() == ErrorKind::TimedOut {
             Error::Bootstrap(format!(
                 "rank {}: the coordinator {sa} did not complete the rendezvous within {:?} (some rank never joined?)",
@@ -325,12 +352,7 @@ fn join(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous> {
     Ok(Rendezvous {
         cards,
         addrs: addrs.clone(),
-        side: SideChannel {
-            rank: cfg.rank,
-            streams,
-            addrs,
-            timeout: cfg.timeout,
-        },
+        side: SideChannel::new(cfg.rank, streams, addrs, cfg.timeout),
     })
 }
 
@@ -417,30 +439,203 @@ impl SideChannel {
         }
     }
 
-    /// Whether the connection to `r` (rank 0: any rank; others: rank 0 only) is still open,
-    /// checked without blocking.
-    pub fn is_open(&self, r: usize) -> bool {
-        let Some(s) = self.streams.get(r).and_then(|s| s.as_ref()) else {
-            return true;
-        };
-        let mut b = [0u8; 1];
-        if s.set_nonblocking(true).is_err() {
-            return false;
+    /// Switches to non-blocking mode (after the connect barrier) with TCP keepalive, so a
+    /// vanished host is noticed in about 8 s even without a FIN.
+    pub fn set_async(&mut self) -> Result<()> {
+        let ka = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(5))
+            .with_interval(Duration::from_secs(1))
+            .with_retries(3);
+        for s in self.streams.iter().flatten() {
+            s.set_nonblocking(true)?;
+            socket2::SockRef::from(s).set_tcp_keepalive(&ka)?;
         }
-        let open = match s.peek(&mut b) {
-            Ok(0) => false,
-            Ok(_) => true,
-            Err(e) => e.kind() == ErrorKind::WouldBlock,
-        };
-        let _ = s.set_nonblocking(false);
-        open
+        Ok(())
     }
 
-    /// The ranks this side channel has a connection to.
-    pub fn connected(&self) -> Vec<usize> {
-        (0..self.streams.len())
-            .filter(|&r| self.streams[r].is_some())
-            .collect()
+    /// The first failure seen (failed rank and reason), if any.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.failure.clone()
+    }
+
+    fn record_failure(&mut self, failed: usize, reason: String) {
+        if self.failure.is_none() {
+            self.failure = Some((failed, reason));
+        }
+    }
+
+    /// Reads whatever has arrived, without blocking: aborts, goodbyes, barrier messages and
+    /// closed connections. Rank 0 relays every failure to all ranks.
+    pub fn poll(&mut self) {
+        let mut buf = [0u8; 4096];
+        for r in 0..self.streams.len() {
+            loop {
+                let Some(s) = self.streams[r].as_mut() else {
+                    break;
+                };
+                match s.read(&mut buf) {
+                    Ok(0) => {
+                        self.streams[r] = None;
+                        if !self.left[r] {
+                            let why = format!(
+                                "its side-channel connection closed without a goodbye (process died or host unreachable); seen by rank {}",
+                                self.rank
+                            );
+                            self.record_failure(r, why.clone());
+                            self.abort(r, &why);
+                        }
+                        break;
+                    }
+                    Ok(n) => {
+                        self.pending[r].extend_from_slice(&buf[..n]);
+                        self.parse(r);
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        self.streams[r] = None;
+                        if !self.left[r] {
+                            let why = format!(
+                                "side-channel connection failed: {e}; seen by rank {}",
+                                self.rank
+                            );
+                            self.record_failure(r, why.clone());
+                            self.abort(r, &why);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    fn parse(&mut self, r: usize) {
+        loop {
+            let p = &self.pending[r];
+            if p.len() < 4 {
+                return;
+            }
+            let len = u32::from_le_bytes(p[..4].try_into().unwrap()) as usize;
+            if len == 0 || len > MAX_FRAME {
+                self.record_failure(
+                    r,
+                    format!("sent a malformed side-channel frame ({len} bytes)"),
+                );
+                self.pending[r].clear();
+                return;
+            }
+            if p.len() < 4 + len {
+                return;
+            }
+            let kind = p[4];
+            let body = p[5..4 + len].to_vec();
+            self.pending[r].drain(..4 + len);
+            match kind {
+                ABORT => {
+                    let mut rd = Reader(&body);
+                    let failed = rd.u32().unwrap_or(r as u32) as usize;
+                    let why = rd.string().unwrap_or_default();
+                    let failed = if failed < self.addrs.len() { failed } else { r };
+                    self.record_failure(failed, why.clone());
+                    if self.rank == 0 {
+                        self.abort(failed, &why);
+                    }
+                }
+                BYE => self.left[r] = true,
+                READY => self.ready[r] = true,
+                GO => self.go = true,
+                _ => {}
+            }
+        }
+    }
+
+    /// Tells the group that `failed` failed (non-zero ranks tell rank 0, which tells everyone).
+    pub fn abort(&mut self, failed: usize, reason: &str) {
+        if self.abort_sent {
+            return;
+        }
+        self.abort_sent = true;
+        let mut body = Vec::new();
+        body.extend_from_slice(&(failed as u32).to_le_bytes());
+        put_bytes(&mut body, reason.as_bytes());
+        for s in self.streams.iter_mut().flatten() {
+            let _ = send_frame(s, ABORT, &body);
+        }
+    }
+
+    /// Close barrier, bounded by `limit`: returns when every rank has reached it (so no rank
+    /// tears down queue pairs a peer still writes to), or on failure or time-out.
+    pub fn close_barrier(&mut self, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        if self.rank != 0 {
+            if let Some(s) = self.streams[0].as_mut() {
+                let _ = send_frame(s, READY, &[]);
+            }
+        }
+        loop {
+            self.poll();
+            if let Some((r, why)) = self.failure.clone() {
+                return Err(Error::PeerFailed {
+                    peer: self.peer(r),
+                    reason: why,
+                });
+            }
+            let done = if self.rank == 0 {
+                (1..self.streams.len()).all(|r| self.ready[r] || self.left[r])
+            } else {
+                self.go || self.left[0]
+            };
+            if done {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let who = if self.rank == 0 {
+                    (1..self.ready.len()).find(|&r| !self.ready[r]).unwrap_or(0)
+                } else {
+                    0
+                };
+                return Err(Error::Timeout {
+                    peer: self.peer(who),
+                    what: "close barrier".into(),
+                    after: limit,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if self.rank == 0 {
+            for s in self.streams.iter_mut().flatten() {
+                let _ = send_frame(s, GO, &[]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Says goodbye: closing after this is not a failure.
+    pub fn bye(&mut self) {
+        for s in self.streams.iter_mut().flatten() {
+            let _ = send_frame(s, BYE, &[]);
+        }
+    }
+
+    fn new(
+        rank: usize,
+        streams: Vec<Option<TcpStream>>,
+        addrs: Vec<String>,
+        timeout: Duration,
+    ) -> Self {
+        let n = streams.len();
+        SideChannel {
+            rank,
+            streams,
+            addrs,
+            timeout,
+            pending: vec![Vec::new(); n],
+            left: vec![false; n],
+            ready: vec![false; n],
+            go: false,
+            failure: None,
+            abort_sent: false,
+        }
     }
 }
 

@@ -13,9 +13,13 @@ use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{rendezvous, Reader, SideChannel};
 use crate::transport::Link;
-use crate::verbs::{self, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer, RetryPolicy};
+use crate::verbs::{
+    self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer,
+    RetryPolicy,
+};
 use sideway::ibverbs::device_context::DeviceContext;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::QueuePairState;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,6 +27,7 @@ use std::time::{Duration, Instant};
 const KIND_DATA: u64 = 0;
 const KIND_CREDIT: u64 = 1;
 const KIND_RECV: u64 = 2;
+const KIND_PROBE: u64 = 3;
 
 fn wr_id(kind: u64, peer: usize, index: u64) -> u64 {
     (kind << 62) | ((peer as u64) << 48) | (index & 0xffff_ffff_ffff)
@@ -51,6 +56,8 @@ struct PeerState {
     consumed: u64,
     /// Length of each arrived, unconsumed chunk, by slot.
     lens: Vec<u32>,
+    /// When the outstanding health probe (a zero-byte RDMA write) was posted.
+    probe: Option<Instant>,
 }
 
 /// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then credits.
@@ -96,6 +103,7 @@ pub struct RdmaTransport {
     _pd: Arc<ProtectionDomain>,
     _ctx: Arc<DeviceContext>,
     side: SideChannel,
+    events: AsyncEvents,
     layout: Layout,
     rank: usize,
     addrs: Vec<String>,
@@ -106,6 +114,7 @@ pub struct RdmaTransport {
     device: String,
     /// The first fatal error (QP failure), kept to name the peer.
     failed: Option<(usize, String)>,
+    last_side_poll: Instant,
 }
 
 impl RdmaTransport {
@@ -208,10 +217,13 @@ impl RdmaTransport {
                 arrived: 0,
                 consumed: 0,
                 lens: vec![0; cfg.slots],
+                probe: None,
             }));
         }
         // Nobody writes before every QP is ready to receive.
         side.barrier()?;
+        side.set_async()?;
+        let events = AsyncEvents::new(&ctx)?;
         let poll_mode = match std::env::var("RDMACOMM_POLL").as_deref() {
             Ok("spin") => PollMode::Spin,
             _ => PollMode::Adaptive,
@@ -223,6 +235,7 @@ impl RdmaTransport {
             _pd: pd,
             _ctx: ctx,
             side,
+            events,
             layout,
             rank: cfg.rank,
             addrs: rv.addrs,
@@ -232,6 +245,7 @@ impl RdmaTransport {
             poll_mode,
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
             failed: None,
+            last_side_poll: Instant::now(),
         })
     }
 
@@ -249,14 +263,83 @@ impl RdmaTransport {
         self.peers[p].as_mut().expect("no link to self")
     }
 
+    /// Records the first failure, tells the group (side channel), and returns it as an error.
     fn fail(&mut self, p: usize, reason: String) -> Error {
         if self.failed.is_none() {
             self.failed = Some((p, reason.clone()));
+            let told = format!(
+                "{reason} (reported by rank {} ({}))",
+                self.rank, self.addrs[self.rank]
+            );
+            self.side.abort(p, &told);
         }
+        let (p, reason) = self.failed.clone().expect("just set");
         Error::PeerFailed {
             peer: self.peer(p),
             reason,
         }
+    }
+
+    /// Failures learned from the side channel (a peer's abort, a closed connection).
+    fn check_side(&mut self) -> Result<()> {
+        self.last_side_poll = Instant::now();
+        self.side.poll();
+        if let Some((p, why)) = self.side.failure() {
+            if self.failed.is_none() {
+                self.failed = Some((p, why));
+            }
+        }
+        match &self.failed {
+            Some((p, why)) => Err(Error::PeerFailed {
+                peer: self.peer(*p),
+                reason: why.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether every peer is still reachable, without blocking: the side channel, the device's
+    /// async events, each QP's state, and a zero-byte RDMA write probe per peer whose
+    /// completion is checked on the next call.
+    pub fn health(&mut self) -> Result<()> {
+        self.check_side()?;
+        self.poll()?;
+        for ev in self.events.drain() {
+            if ev.is_fatal() {
+                let who = match ev {
+                    AsyncEvent::QpFatal(qpn) => (0..self.peers.len()).find(|&p| {
+                        self.peers[p]
+                            .as_ref()
+                            .is_some_and(|s| s.qp.endpoint().qpn == qpn)
+                    }),
+                    _ => None,
+                };
+                let p = who.unwrap_or((self.rank + 1) % self.layout.n);
+                return Err(self.fail(p, format!("device event on {}: {ev:?}", self.device)));
+            }
+        }
+        let sq_limit = 2 * self.layout.slots as u64 + 16;
+        for p in 0..self.peers.len() {
+            let Some(st) = self.peers[p].as_ref() else {
+                continue;
+            };
+            if st.qp.query_state()? == QueuePairState::Error {
+                return Err(self.fail(p, "its queue pair is in the error state".into()));
+            }
+            match st.probe {
+                Some(t) if t.elapsed() > self.timeout => {
+                    let why = format!("a probe write went unanswered for {:?}", self.timeout);
+                    return Err(self.fail(p, why));
+                }
+                Some(_) => {}
+                None if st.wr_posted - st.wr_done + 2 < sq_limit => {
+                    self.post(p, KIND_PROBE, 0, 0, 0, None)?;
+                    self.state(p).probe = Some(Instant::now());
+                }
+                None => {}
+            }
+        }
+        Ok(())
     }
 
     /// Polls the CQ once; returns whether anything completed.
@@ -277,6 +360,7 @@ impl RdmaTransport {
                 let what = match kind {
                     KIND_DATA => "an RDMA write of data",
                     KIND_CREDIT => "an RDMA write of credits",
+                    KIND_PROBE => "a probe write",
                     _ => "a receive",
                 };
                 return Err(self.fail(p, format!("{what} failed: {}", verbs::status_str(status))));
@@ -299,6 +383,8 @@ impl RdmaTransport {
                     st.wr_done = st.wr_done.max(index + 1);
                     if kind == KIND_DATA {
                         st.send_done += 1;
+                    } else if kind == KIND_PROBE {
+                        st.probe = None;
                     }
                 }
             }
@@ -319,7 +405,7 @@ impl RdmaTransport {
         let lkey = self.buf.lkey();
         let local = self.buf.addr() + off as u64;
         let st = self.peers[p].as_mut().expect("no link to self");
-        let signaled = kind == KIND_DATA || st.unsignaled >= 8;
+        let signaled = kind != KIND_CREDIT || st.unsignaled >= 8;
         let id = wr_id(kind, p, st.wr_posted);
         let remote_addr = st.remote.addr + remote_off as u64;
         // SAFETY: the local range lies in our registered buffer (off/len from the layout), which
@@ -442,6 +528,9 @@ impl Link for RdmaTransport {
                 reason: why.clone(),
             });
         }
+        if self.last_side_poll.elapsed() > Duration::from_millis(2) {
+            self.check_side()?;
+        }
         if self.poll()? {
             self.last_progress = Instant::now();
             self.idle_polls = 0;
@@ -449,6 +538,8 @@ impl Link for RdmaTransport {
         }
         self.idle_polls = self.idle_polls.saturating_add(1);
         if self.last_progress.elapsed() > self.timeout {
+            let why = format!("no progress for {:?} waiting on it", self.timeout);
+            let _ = self.fail(waiting_on, why);
             return Err(Error::Timeout {
                 peer: self.peer(waiting_on),
                 what: "RDMA transfer made no progress".into(),
@@ -478,11 +569,22 @@ impl Link for RdmaTransport {
 
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
-        // Let posted writes land (bounded) before the QPs and memory go away.
+        if std::thread::panicking() && self.failed.is_none() {
+            let why = format!(
+                "rank {} dropped its communicator while panicking",
+                self.rank
+            );
+            self.side.abort(self.rank, &why);
+            return;
+        }
         if self.failed.is_none() {
+            // Let posted writes land, then wait (bounded) until every rank is done, so no QP is
+            // destroyed while a peer still writes to it; then say goodbye.
             let t = self.timeout;
-            self.timeout = t.min(Duration::from_secs(5));
+            self.timeout = t.min(Duration::from_secs(10));
             let _ = self.flush();
+            let _ = self.side.close_barrier(self.timeout);
+            self.side.bye();
         }
     }
 }

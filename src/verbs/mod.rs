@@ -3,9 +3,11 @@
 //! the reduction kernels.
 
 pub mod device;
+pub mod events;
 pub mod memory;
 pub mod queue;
 
 pub use device::{list_ports, open, DeviceChoice, PortInfo, Selected};
+pub use events::{AsyncEvent, AsyncEvents};
 pub use memory::RegisteredBuffer;
 pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy};

@@ -2,6 +2,8 @@
 //! decides whether RDMA tests run here.
 #![allow(dead_code)]
 
+pub mod reference;
+
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

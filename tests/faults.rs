@@ -1,0 +1,365 @@
+//! Never hang, never corrupt: a rank killed (SIGKILL) before, during and between collectives, a
+//! host's link cut during a collective, and health() on healthy and broken groups. Every
+//! surviving rank must return an error naming the lost peer within the bound, then refuse further
+//! work at once; no process may be left hanging (the harness kills and fails after its limit).
+
+mod common;
+use common::*;
+use rdmacomm::{AllReduce, Communicator, DType, Error, RdmaComm};
+use std::time::{Duration, Instant};
+
+/// RDMACOMM_TIMEOUT for these tests, and the bound on noticing a failure.
+const TIMEOUT_S: u64 = 20;
+const BOUND: Duration = Duration::from_secs(TIMEOUT_S + 2);
+
+fn env_var(k: &str) -> String {
+    std::env::var(k).unwrap_or_default()
+}
+
+fn die() -> ! {
+    // SAFETY: plain libc call on our own pid.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!()
+}
+
+/// What a survivor checks once an operation failed: the error names `victim`, came within the
+/// bound, the communicator refuses further work at once, and health() names the victim too.
+fn check_failure(c: &RdmaComm, e: &Error, victim: usize, op_started: Instant) {
+    let took = op_started.elapsed();
+    let msg = e.to_string();
+    println!(
+        "rank {} saw after {:.3}s: {msg}",
+        c.rank(),
+        took.as_secs_f64()
+    );
+    let names =
+        e.peer().map(|p| p.rank) == Some(victim) || msg.contains(&format!("rank {victim} ("));
+    assert!(
+        names,
+        "rank {}: error does not name rank {victim}: {msg}",
+        c.rank()
+    );
+    assert!(
+        took < BOUND,
+        "rank {}: took {took:?} to fail (bound {BOUND:?})",
+        c.rank()
+    );
+    let t = Instant::now();
+    let mut d = vec![0u8; 64];
+    let again = c
+        .all_reduce(AllReduce::Sum, DType::f32, &mut d)
+        .unwrap_err();
+    assert!(matches!(again, Error::Poisoned(_)), "later call: {again}");
+    assert!(
+        again.to_string().contains(&format!("rank {victim}")),
+        "later call must name the peer: {again}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "a poisoned call must return at once"
+    );
+    let h = c.health().unwrap_err().to_string();
+    assert!(
+        h.contains(&format!("rank {victim}")),
+        "health() must name the peer: {h}"
+    );
+    println!(
+        "FAILED-AS-EXPECTED rank {} in {:.3}s",
+        c.rank(),
+        took.as_secs_f64()
+    );
+}
+
+/// Survivors loop on 16 MiB all_reduces until one fails (bounded).
+fn survive(c: &RdmaComm, victim: usize) {
+    let mut data = vec![0u8; 16 << 20];
+    let t0 = Instant::now();
+    loop {
+        let started = Instant::now();
+        match c.all_reduce(AllReduce::Sum, DType::f32, &mut data) {
+            Ok(()) => assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no failure noticed in 60 s"
+            ),
+            Err(e) => return check_failure(c, &e, victim, started),
+        }
+    }
+}
+
+fn kill_body() {
+    let (r, _) = rank_size();
+    let victim: usize = env_var("RXE_TEST_VICTIM").parse().unwrap();
+    let mode = env_var("RXE_TEST_MODE");
+    let c = RdmaComm::from_env().unwrap();
+    if r == victim {
+        match mode.as_str() {
+            "before" => die(),
+            "during" => {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    die()
+                });
+                let mut data = vec![0u8; 16 << 20];
+                loop {
+                    let _ = c.all_reduce(AllReduce::Sum, DType::f32, &mut data);
+                }
+            }
+            _ => {
+                let mut d = vec![0u8; 4096];
+                c.all_reduce(AllReduce::Sum, DType::f32, &mut d).unwrap();
+                die()
+            }
+        }
+    }
+    if mode == "between" {
+        let mut d = vec![0u8; 4096];
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut d).unwrap();
+    }
+    survive(&c, victim);
+}
+
+fn kill_case(name: &str, n: usize, victim: usize, mode: &str) {
+    if is_child(name) {
+        return kill_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    let (v, m) = (victim.to_string(), mode.to_string());
+    let t0 = Instant::now();
+    let res = spawn(
+        name,
+        n,
+        Placement::Local,
+        &|_| {
+            vec![
+                ("RDMACOMM_TIMEOUT".into(), TIMEOUT_S.to_string()),
+                ("RXE_TEST_VICTIM".into(), v.clone()),
+                ("RXE_TEST_MODE".into(), m.clone()),
+            ]
+        },
+        Duration::from_secs(120),
+    );
+    for x in &res {
+        if x.rank == victim {
+            assert_eq!(
+                x.code, None,
+                "the victim must have died by SIGKILL: {}",
+                x.output
+            );
+            continue;
+        }
+        if x.code != Some(0) || !x.output.contains("FAILED-AS-EXPECTED") {
+            for y in &res {
+                eprintln!("----- rank {} (exit {:?})\n{}", y.rank, y.code, y.output);
+            }
+            panic!("rank {} did not fail cleanly", x.rank);
+        }
+        print!(
+            "{}",
+            x.output
+                .lines()
+                .filter(|l| l.contains("saw after"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        println!();
+    }
+    println!("{name}: whole case {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+#[test]
+fn killed_before_a_collective() {
+    kill_case("killed_before_a_collective", 4, 2, "before");
+}
+
+#[test]
+fn killed_during_16mib_all_reduce() {
+    kill_case("killed_during_16mib_all_reduce", 4, 2, "during");
+}
+
+#[test]
+fn killed_between_collectives() {
+    kill_case("killed_between_collectives", 4, 1, "between");
+}
+
+#[test]
+fn coordinator_killed_between_collectives() {
+    kill_case("coordinator_killed_between_collectives", 3, 0, "between");
+}
+
+fn link_body() {
+    let (r, _) = rank_size();
+    let c = RdmaComm::from_env().unwrap();
+    let mut data = vec![0u8; 4 << 20];
+    let t0 = Instant::now();
+    loop {
+        let started = Instant::now();
+        match c.all_reduce(AllReduce::Sum, DType::f32, &mut data) {
+            Ok(()) => assert!(
+                t0.elapsed() < Duration::from_secs(90),
+                "no failure noticed in 90 s"
+            ),
+            Err(e) => {
+                if r == 2 {
+                    // The cut-off rank itself: any peer error, within the bound.
+                    println!(
+                        "rank 2 (cut off) saw after {:.3}s: {e}",
+                        started.elapsed().as_secs_f64()
+                    );
+                    assert!(started.elapsed() < BOUND);
+                    println!("FAILED-AS-EXPECTED rank 2");
+                    return;
+                }
+                return check_failure(&c, &e, 2, started);
+            }
+        }
+    }
+}
+
+#[test]
+fn link_down_during_a_collective() {
+    const NAME: &str = "link_down_during_a_collective";
+    if is_child(NAME) {
+        return link_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    if vm_hosts() < 3 {
+        if env_var("RDMACOMM_REQUIRE_RDMA") == "1" {
+            panic!("needs tools/rxe-vm --hosts 3");
+        }
+        eprintln!("SKIPPED: needs three soft-RoCE hosts (tools/rxe-vm --hosts 3)");
+        return;
+    }
+    let cutter = std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(4));
+        let st = std::process::Command::new("ip")
+            .args(["link", "set", "h2", "down"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    });
+    let res = spawn(
+        NAME,
+        3,
+        Placement::Hosts,
+        &|_| vec![("RDMACOMM_TIMEOUT".into(), TIMEOUT_S.to_string())],
+        Duration::from_secs(150),
+    );
+    cutter.join().unwrap();
+    // Restore the host for later tests, and wait (bounded) until its port is ACTIVE again.
+    let _ = std::process::Command::new("ip")
+        .args(["link", "set", "h2", "up"])
+        .status();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(20) {
+        if std::fs::read_to_string("/sys/class/infiniband/rxe_h2/ports/1/state")
+            .is_ok_and(|s| s.contains("ACTIVE"))
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_all_ok(&res);
+    for x in &res {
+        assert!(
+            x.output.contains("FAILED-AS-EXPECTED"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+        println!(
+            "{}",
+            x.output
+                .lines()
+                .filter(|l| l.contains("saw after"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
+
+fn health_body() {
+    let (r, _) = rank_size();
+    let c = RdmaComm::from_env().unwrap();
+    // Healthy: Ok, quickly, many times (probes complete in between).
+    let mut worst = Duration::ZERO;
+    for _ in 0..50 {
+        let t = Instant::now();
+        c.health()
+            .unwrap_or_else(|e| panic!("rank {r}: healthy group reported {e}"));
+        worst = worst.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!(
+        "rank {r}: health() on a healthy group: Ok, slowest call {:?}",
+        worst
+    );
+    assert!(
+        worst < Duration::from_millis(100),
+        "health() must not block: {worst:?}"
+    );
+    let mut d = vec![0u8; 4096];
+    c.all_reduce(AllReduce::Sum, DType::f32, &mut d).unwrap();
+    if r == 2 {
+        die();
+    }
+    // Survivors: only health() calls, no collective; each must be fast, and name rank 2 soon.
+    let t0 = Instant::now();
+    loop {
+        let t = Instant::now();
+        let h = c.health();
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "health() blocked for {:?}",
+            t.elapsed()
+        );
+        if let Err(e) = h {
+            println!(
+                "rank {r}: health() named the loss after {:.3}s: {e}",
+                t0.elapsed().as_secs_f64()
+            );
+            assert!(e.to_string().contains("rank 2 ("), "{e}");
+            assert!(t0.elapsed() < BOUND);
+            println!("FAILED-AS-EXPECTED");
+            return;
+        }
+        assert!(
+            t0.elapsed() < BOUND,
+            "health() did not notice rank 2's death within {BOUND:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn health_ok_then_names_a_dead_peer() {
+    const NAME: &str = "health_ok_then_names_a_dead_peer";
+    if is_child(NAME) {
+        return health_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    let res = spawn(
+        NAME,
+        4,
+        Placement::Local,
+        &|_| vec![("RDMACOMM_TIMEOUT".into(), TIMEOUT_S.to_string())],
+        Duration::from_secs(120),
+    );
+    for x in &res {
+        if x.rank == 2 {
+            continue;
+        }
+        assert!(
+            x.code == Some(0) && x.output.contains("FAILED-AS-EXPECTED"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+        println!("{}", x.output.trim());
+    }
+}

@@ -1,0 +1,213 @@
+//! Load: thousands of mixed collectives of random sizes on 4 ranks, every result checked; and no
+//! leaks: communicators created and dropped repeatedly leave no file descriptors, queue pairs,
+//! memory regions, CQs or PDs behind (counted from /proc and the kernel's `rdma resource` view).
+
+mod common;
+use common::reference::*;
+use common::*;
+use rdmacomm::{AllReduce, Communicator, Config, DType, RdmaComm};
+use std::time::{Duration, Instant};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> usize {
+        (self.next() % n) as usize
+    }
+}
+
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// How many of `kind` (qp, mr, cq, pd) the kernel lists for this process. The kernel records the
+/// id of the thread that created each object, so match any of our thread ids.
+fn rdma_objects(kind: &str) -> usize {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show", kind])
+        .output()
+        .expect("rdma tool (iproute2)");
+    let tids: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mine = |l: &str| {
+        l.split_whitespace()
+            .collect::<Vec<_>>()
+            .windows(2)
+            .any(|w| w[0] == "pid" && tids.iter().any(|t| t == w[1]))
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| mine(l))
+        .count()
+}
+
+fn soak_body() {
+    let (r, n) = rank_size();
+    let coord = std::env::var("RDMACOMM_COORDINATOR").unwrap();
+    let (host, port) = coord.rsplit_once(':').unwrap();
+    let port: u16 = port.parse().unwrap();
+
+    // Leaks: create, use and drop communicators; nothing may remain.
+    let before = (
+        fds(),
+        rdma_objects("qp"),
+        rdma_objects("mr"),
+        rdma_objects("cq"),
+        rdma_objects("pd"),
+    );
+    for i in 0..6u16 {
+        let cfg = Config::new(r, n, format!("{host}:{}", port + 1 + i)).unwrap();
+        let c = RdmaComm::new(&cfg).unwrap();
+        let mut d = fill(DType::i64, AllReduce::Sum, r, 100);
+        c.all_reduce(AllReduce::Sum, DType::i64, &mut d).unwrap();
+        check_all_reduce(DType::i64, AllReduce::Sum, n, &d).unwrap();
+        if i == 0 {
+            // The counting sees live objects (so a leak would show).
+            let count = rdma_objects("qp");
+            assert!(
+                count >= n - 1,
+                "counted {count} of our {} QPs in `rdma resource show qp`",
+                n - 1
+            );
+            assert!(rdma_objects("mr") >= 1);
+        }
+    }
+    let after = (
+        fds(),
+        rdma_objects("qp"),
+        rdma_objects("mr"),
+        rdma_objects("cq"),
+        rdma_objects("pd"),
+    );
+    assert_eq!(
+        before, after,
+        "rank {r}: (fds, qps, mrs, cqs, pds) before vs after 6 communicators"
+    );
+    println!("rank {r}: no leaks: (fds, qp, mr, cq, pd) = {after:?} before and after");
+
+    // Soak: the same random schedule on every rank (shared seed), every result checked.
+    let c = RdmaComm::new(&Config::new(r, n, format!("{host}:{}", port + 20)).unwrap()).unwrap();
+    let ops: usize = std::env::var("RXE_TEST_SOAK_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5000);
+    let budget = Duration::from_secs(240);
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let t0 = Instant::now();
+    let mut done = 0;
+    let mut bytes = 0usize;
+    while done < ops && t0.elapsed() < budget {
+        let big = rng.below(50) == 0;
+        let elems = if big {
+            65536 + rng.below(65536)
+        } else {
+            rng.below(2048)
+        };
+        match rng.below(4) {
+            0 => {
+                let dtype = DType::ALL[rng.below(10)];
+                let op = [AllReduce::Sum, AllReduce::Max, AllReduce::Min][rng.below(3)];
+                let mut d = fill(dtype, op, r, elems);
+                c.all_reduce(op, dtype, &mut d).unwrap();
+                check_all_reduce(dtype, op, n, &d).unwrap_or_else(|e| panic!("op {done}: {e}"));
+                bytes += d.len();
+            }
+            1 => {
+                let len = elems * 4;
+                let input: Vec<u8> = (0..len).map(|i| (int_val(r, i) >> 3) as u8).collect();
+                let mut out = vec![0u8; len * n];
+                c.all_gather(&input, &mut out).unwrap();
+                for q in 0..n {
+                    let ok = out[q * len..(q + 1) * len]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &b)| b == (int_val(q, i) >> 3) as u8);
+                    assert!(ok, "op {done}: all_gather part {q}");
+                }
+                bytes += out.len();
+            }
+            2 => {
+                let input = fill(DType::f32, AllReduce::Sum, r, elems * n);
+                let mut out = vec![0u8; elems * 4];
+                c.sum_scatter(DType::f32, &input, &mut out).unwrap();
+                for (j, b) in out.chunks(4).enumerate() {
+                    assert_eq!(
+                        read_elem(DType::f32, b),
+                        float_ref(AllReduce::Sum, n, r * elems + j),
+                        "op {done}: sum_scatter"
+                    );
+                }
+                bytes += input.len();
+            }
+            _ => {
+                let peer = r ^ 1;
+                let len = elems;
+                let mine: Vec<u8> = (0..len).map(|i| (int_val(r + 100, i)) as u8).collect();
+                let mut got = vec![0u8; len];
+                if r < peer {
+                    c.send(peer, &mine).unwrap();
+                    c.recv(peer, &mut got).unwrap();
+                } else {
+                    c.recv(peer, &mut got).unwrap();
+                    c.send(peer, &mine).unwrap();
+                }
+                assert!(
+                    got.iter()
+                        .enumerate()
+                        .all(|(i, &b)| b == int_val(peer + 100, i) as u8),
+                    "op {done}: recv"
+                );
+                bytes += len;
+            }
+        }
+        done += 1;
+    }
+    c.health().unwrap();
+    println!(
+        "rank {r}: soak: {done} checked operations, {} MiB, in {:.1}s",
+        bytes >> 20,
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(done >= 500, "too few operations in the time budget: {done}");
+}
+
+#[test]
+fn soak_mixed_collectives_and_no_leaks() {
+    const NAME: &str = "soak_mixed_collectives_and_no_leaks";
+    if is_child(NAME) {
+        return soak_body();
+    }
+    if !rdma_available() {
+        return;
+    }
+    let res = spawn(
+        NAME,
+        4,
+        Placement::Local,
+        &|_| vec![("RDMACOMM_TIMEOUT".into(), "60".into())],
+        Duration::from_secs(420),
+    );
+    assert_all_ok(&res);
+    for x in &res {
+        println!(
+            "{}",
+            x.output
+                .lines()
+                .filter(|l| l.contains("soak:") || l.contains("leaks"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
