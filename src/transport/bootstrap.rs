@@ -469,10 +469,7 @@ impl SideChannel {
     pub fn poll(&mut self) {
         let mut buf = [0u8; 4096];
         for r in 0..self.streams.len() {
-            loop {
-                let Some(s) = self.streams[r].as_mut() else {
-                    break;
-                };
+            while let Some(s) = self.streams[r].as_mut() {
                 match s.read(&mut buf) {
                     Ok(0) => {
                         self.streams[r] = None;
