@@ -112,8 +112,13 @@ fn kill_body() {
         }
     }
     if mode == "between" {
+        // The victim may die right after its part of this collective, before a survivor has
+        // finished it: then this one fails already (naming the victim), which is as good.
         let mut d = vec![0u8; 4096];
-        c.all_reduce(AllReduce::Sum, DType::f32, &mut d).unwrap();
+        let started = Instant::now();
+        if let Err(e) = c.all_reduce(AllReduce::Sum, DType::f32, &mut d) {
+            return check_failure(&c, &e, victim, started);
+        }
     }
     survive(&c, victim);
 }

@@ -17,7 +17,7 @@ use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer,
     RetryPolicy,
 };
-use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::device_context::{DeviceContext, PortState};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::QueuePairState;
 use std::sync::atomic::{fence, Ordering};
@@ -112,6 +112,7 @@ pub struct RdmaTransport {
     idle_polls: u32,
     poll_mode: PollMode,
     device: String,
+    port: u8,
     /// The first fatal error (QP failure), kept to name the peer.
     failed: Option<(usize, String)>,
     last_side_poll: Instant,
@@ -244,9 +245,17 @@ impl RdmaTransport {
             idle_polls: 0,
             poll_mode,
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
+            port: sel.port,
             failed: None,
             last_side_poll: Instant::now(),
         })
+    }
+
+    /// Whether our port is ACTIVE (queried from the device).
+    fn port_active(&self) -> bool {
+        self._ctx
+            .query_port(self.port)
+            .is_ok_and(|a| a.port_state() == PortState::Active)
     }
 
     /// The device, port and GID in use, in words.
@@ -314,7 +323,8 @@ impl RdmaTransport {
                     }),
                     _ => None,
                 };
-                let p = who.unwrap_or((self.rank + 1) % self.layout.n);
+                // A QP's event blames its peer; port, CQ and device events are this rank's own.
+                let p = who.unwrap_or(self.rank);
                 return Err(self.fail(p, format!("device event on {}: {ev:?}", self.device)));
             }
         }
@@ -363,7 +373,20 @@ impl RdmaTransport {
                     KIND_PROBE => "a probe write",
                     _ => "a receive",
                 };
-                return Err(self.fail(p, format!("{what} failed: {}", verbs::status_str(status))));
+                // A local error, or our own port down, is this rank's failure (its link or
+                // device), not the peer's: blame ourselves so every rank names the right one.
+                let local = matches!(status, 1 | 2 | 4 | 8 | 19 | 21);
+                let port_down = !self.port_active();
+                let why = format!("{what} to rank {p} failed: {}", verbs::status_str(status));
+                if local || port_down {
+                    let why = format!(
+                        "{why}; {} is {}",
+                        self.device,
+                        if port_down { "DOWN" } else { "in error" }
+                    );
+                    return Err(self.fail(self.rank, why));
+                }
+                return Err(self.fail(p, why));
             }
             let slots = self.layout.slots as u64;
             let st = self.state(p);
