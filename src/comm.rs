@@ -1,7 +1,7 @@
 //! [`RdmaComm`]: the byte-level [`Communicator`] over the RDMA transport.
 
 use crate::api::{check_all_gather, check_all_reduce, check_peer, check_sum_scatter, Communicator};
-use crate::collectives::{p2p, ring};
+use crate::collectives::{halving, p2p, ring};
 use crate::config::Config;
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -15,6 +15,59 @@ struct Inner {
     scratch: Vec<u8>,
 }
 
+/// The all_reduce algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algo {
+    /// Pipelined ring: reduce-scatter then all-gather (bandwidth-optimal, 2(n-1) steps).
+    Ring,
+    /// Recursive halving-doubling (Rabenseifner): bandwidth-optimal in 2 log2(n) steps.
+    Halving,
+    /// Recursive doubling of the whole vector: log2(n) steps, for small messages.
+    Doubling,
+    /// Chosen by size and world size (see [`Algo::choose`]).
+    Auto,
+}
+
+/// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`].
+pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
+
+impl Algo {
+    /// Parses `ring`, `halving`, `doubling` or `auto`.
+    pub fn parse(s: &str) -> Result<Algo> {
+        Ok(match s {
+            "ring" => Algo::Ring,
+            "halving" | "rabenseifner" => Algo::Halving,
+            "doubling" => Algo::Doubling,
+            "auto" => Algo::Auto,
+            _ => {
+                return Err(Error::Config(format!(
+                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling or auto"
+                )))
+            }
+        })
+    }
+
+    /// Reads `RDMACOMM_ALGO` (default `auto`).
+    pub fn from_env() -> Result<Algo> {
+        match std::env::var("RDMACOMM_ALGO") {
+            Ok(v) if !v.is_empty() => Algo::parse(&v),
+            _ => Ok(Algo::Auto),
+        }
+    }
+
+    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks: recursive doubling up to
+    /// [`DOUBLING_MAX_BYTES`], then halving-doubling, and the ring for non-powers of two
+    /// (whose fold doubles the traffic of two ranks).
+    pub fn choose(self, n: usize, bytes: usize) -> Algo {
+        match self {
+            Algo::Auto if bytes <= DOUBLING_MAX_BYTES => Algo::Doubling,
+            Algo::Auto if n.is_power_of_two() => Algo::Halving,
+            Algo::Auto => Algo::Ring,
+            a => a,
+        }
+    }
+}
+
 /// A communicator over RDMA: one reliable-connected queue pair per peer. Calls are serialized
 /// (the trait is `Sync`; one operation runs at a time).
 pub struct RdmaComm {
@@ -23,6 +76,7 @@ pub struct RdmaComm {
     inner: Mutex<Inner>,
     /// Set by the first failure; every later call returns it (readable while an op runs).
     poisoned: Mutex<Option<String>>,
+    algo: Mutex<Algo>,
 }
 
 impl RdmaComm {
@@ -43,12 +97,23 @@ impl RdmaComm {
                 scratch: Vec::new(),
             }),
             poisoned: Mutex::new(None),
+            algo: Mutex::new(Algo::from_env()?),
         })
     }
 
     /// Joins the group described by the environment (see [`Config::from_env`]).
     pub fn from_env() -> Result<Self> {
         RdmaComm::new(&Config::from_env()?)
+    }
+
+    /// Chooses the all_reduce algorithm (every rank must choose the same).
+    pub fn set_algorithm(&self, algo: Algo) {
+        *self.algo.lock().unwrap_or_else(|e| e.into_inner()) = algo;
+    }
+
+    /// The all_reduce algorithm setting.
+    pub fn algorithm(&self) -> Algo {
+        *self.algo.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The RDMA device, port and GID in use (None for a world of one).
@@ -108,7 +173,12 @@ impl Communicator for RdmaComm {
         if self.size == 1 {
             return self.check_usable();
         }
-        self.with_link(|l, _| ring::all_reduce(l, op, dtype, data))
+        let algo = self.algorithm().choose(self.size, data.len());
+        self.with_link(|l, scratch| match algo {
+            Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, data, scratch),
+            Algo::Halving => halving::all_reduce_halving(l, op, dtype, data, scratch),
+            _ => ring::all_reduce(l, op, dtype, data),
+        })
     }
 
     fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
@@ -145,7 +215,11 @@ impl Communicator for RdmaComm {
         self.with_link(|l, scratch| {
             scratch.clear();
             scratch.extend_from_slice(input);
-            ring::reduce_scatter(l, AllReduce::Sum, dtype, scratch)?;
+            if l.size().is_power_of_two() {
+                halving::reduce_scatter_halving(l, AllReduce::Sum, dtype, scratch)?;
+            } else {
+                ring::reduce_scatter(l, AllReduce::Sum, dtype, scratch)?;
+            }
             let (r, m) = (l.rank(), output.len());
             output.copy_from_slice(&scratch[r * m..(r + 1) * m]);
             Ok(())

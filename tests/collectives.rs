@@ -6,7 +6,7 @@
 mod common;
 use common::reference::*;
 use common::*;
-use rdmacomm::{AllReduce, Communicator, DType, RdmaComm};
+use rdmacomm::{Algo, AllReduce, Communicator, DType, RdmaComm};
 use std::time::Duration;
 
 fn same_everywhere(c: &RdmaComm, what: &str, data: &[u8]) {
@@ -37,32 +37,36 @@ fn body() {
     eprintln!("rank {r}/{n}: {:?}", c.device());
     let big_elems = |d: DType| (16 << 20) / d.size();
     let full = std::env::var("RXE_TEST_FULL16").is_ok_and(|v| v == "1") || n == 2;
-    // all_reduce
-    for dtype in DType::ALL {
-        for op in [AllReduce::Sum, other_op(dtype)] {
-            let mut lens = vec![0usize, 1, 7, 4097];
-            if full
-                || (dtype == DType::f32 && op == AllReduce::Sum)
-                || (dtype == DType::bf16 && op != AllReduce::Sum)
-            {
-                lens.push(big_elems(dtype));
-            }
-            for &elems in &lens {
-                let mut data = fill(dtype, op, r, elems);
-                c.all_reduce(op, dtype, &mut data)
-                    .unwrap_or_else(|e| panic!("rank {r}: all_reduce: {e}"));
-                let what = format!(
-                    "all_reduce {} {} x{elems} on {n} ranks",
-                    dtype.name(),
-                    op.name()
-                );
-                if let Err(e) = check_all_reduce(dtype, op, n, &data) {
-                    panic!("rank {r}: {what}: {e}");
+    // all_reduce, with every algorithm (doubling only where auto would use it: small sizes)
+    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling] {
+        c.set_algorithm(algo);
+        for dtype in DType::ALL {
+            for op in [AllReduce::Sum, other_op(dtype)] {
+                let mut lens = vec![0usize, 1, 7, 4097];
+                let big = (full && algo != Algo::Doubling)
+                    || (algo == Algo::Ring && dtype == DType::f32 && op == AllReduce::Sum)
+                    || (algo == Algo::Halving && dtype == DType::bf16 && op != AllReduce::Sum);
+                if big {
+                    lens.push(big_elems(dtype));
                 }
-                same_everywhere(&c, &what, &data);
+                for &elems in &lens {
+                    let mut data = fill(dtype, op, r, elems);
+                    c.all_reduce(op, dtype, &mut data)
+                        .unwrap_or_else(|e| panic!("rank {r}: all_reduce: {e}"));
+                    let what = format!(
+                        "{algo:?} all_reduce {} {} x{elems} on {n} ranks",
+                        dtype.name(),
+                        op.name()
+                    );
+                    if let Err(e) = check_all_reduce(dtype, op, n, &data) {
+                        panic!("rank {r}: {what}: {e}");
+                    }
+                    same_everywhere(&c, &what, &data);
+                }
             }
         }
     }
+    c.set_algorithm(Algo::Auto);
     // all_gather
     for bytes in [0usize, 1, 7, 4097 * 4, (1 << 20) + 3] {
         let input: Vec<u8> = (0..bytes).map(|i| (int_val(r, i) & 0xff) as u8).collect();

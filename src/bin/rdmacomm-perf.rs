@@ -7,7 +7,7 @@
 //! busbw as nccl-tests: all_reduce algbw x 2(n-1)/n; all_gather, sum_scatter algbw x (n-1)/n;
 //! sendrecv algbw. Time is the slowest rank's mean per iteration.
 
-use rdmacomm::{AllReduce, Communicator, DType, RdmaComm};
+use rdmacomm::{Algo, AllReduce, Communicator, DType, RdmaComm};
 use std::time::Instant;
 
 #[derive(Debug, Clone)]
@@ -22,6 +22,7 @@ struct Opts {
     op: AllReduce,
     coll: String,
     local: Option<usize>,
+    algo: Algo,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -49,6 +50,7 @@ fn parse() -> Result<Opts, String> {
         op: AllReduce::Sum,
         coll: "all_reduce".into(),
         local: None,
+        algo: Algo::from_env().map_err(|e| e.to_string())?,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -65,12 +67,13 @@ fn parse() -> Result<Opts, String> {
             "-d" | "--datatype" => o.dtype = DType::parse(&v).map_err(|e| e.to_string())?,
             "-o" | "--op" => o.op = AllReduce::parse(&v).map_err(|e| e.to_string())?,
             "--coll" => o.coll = v.clone(),
+            "--algo" => o.algo = Algo::parse(&v).map_err(|e| e.to_string())?,
             "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
             "-h" | "--help" => {
                 println!(
                     "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] \
                      [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
-                     [--coll all_reduce|all_gather|sum_scatter|sendrecv]"
+                     [--coll all_reduce|all_gather|sum_scatter|sendrecv] [--algo ring|halving|doubling|auto]"
                 );
                 std::process::exit(0);
             }
@@ -225,6 +228,7 @@ fn run_once(
 
 fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     let c = RdmaComm::from_env()?;
+    c.set_algorithm(o.algo);
     let (r, n, s) = (c.rank(), c.size(), o.dtype.size());
     let unit = match o.coll.as_str() {
         "all_gather" | "sum_scatter" => s * n,
@@ -246,12 +250,13 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     };
     if r == 0 {
         println!(
-            "# rdmacomm-perf: {} ranks, {}, {} {} {}",
+            "# rdmacomm-perf: {} ranks, {}, {} {} {}, algo {:?}",
             n,
             c.device().unwrap_or_else(|| "no transport (1 rank)".into()),
             o.coll,
             o.dtype.name(),
-            o.op.name()
+            o.op.name(),
+            o.algo
         );
         println!(
             "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>8} {:>8} {:>7}",

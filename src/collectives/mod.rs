@@ -1,4 +1,5 @@
 //! Collective algorithms over a [`Link`](crate::transport::Link); they know nothing of RDMA.
 
+pub mod halving;
 pub mod p2p;
 pub mod ring;

@@ -163,7 +163,7 @@ impl RdmaTransport {
         }
         let rv = rendezvous(cfg, &card)?;
         let mut side = rv.side;
-        let policy = RetryPolicy::default();
+        let policy = RetryPolicy::for_limit(cfg.timeout);
         let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
         for (p, qp) in qps.into_iter().enumerate() {
             let Some(mut qp) = qp else {

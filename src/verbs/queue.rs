@@ -125,8 +125,9 @@ pub struct Endpoint {
     pub mtu: u8,
 }
 
-/// The QP's timeout and retry settings. With `timeout` t and `retry` r, a dead peer is reported
-/// (RETRY_EXC_ERR) after about (r+1) x 4.096 us x 2^t. Retry 7 would mean "forever" on rxe.
+/// The QP's timeout and retry settings. With `timeout` t and `retry` r, an unreachable peer is
+/// reported (RETRY_EXC_ERR) after about (r+1) x 4.096 us x 2^t. Retry 7 would mean "forever" on
+/// rxe, so at most 6 is used.
 #[derive(Debug, Clone, Copy)]
 pub struct RetryPolicy {
     /// Local ACK timeout exponent.
@@ -135,13 +136,39 @@ pub struct RetryPolicy {
     pub retry: u8,
 }
 
+impl RetryPolicy {
+    /// Seconds until an unreachable peer is reported (RETRY_EXC_ERR).
+    pub fn report_after(&self) -> f64 {
+        (self.retry as f64 + 1.0) * 4.096e-6 * f64::from(1u32 << self.timeout)
+    }
+
+    /// The policy for a communicator whose waits time out after `limit`: timeout exponent 18
+    /// (~1.07 s per try) and 6 retries, so an unreachable peer is reported in ~7.5 s (NCCL uses
+    /// the same exponent), lowered until that fits in half of `limit`. `RDMACOMM_IB_TIMEOUT` and
+    /// `RDMACOMM_IB_RETRY` override. (Dead processes are noticed sooner, through the side
+    /// channel; a cut link at once, through local errors.)
+    pub fn for_limit(limit: std::time::Duration) -> Self {
+        let env = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<u8>().ok())
+        };
+        let retry = env("RDMACOMM_IB_RETRY").unwrap_or(6).min(6);
+        let mut p = RetryPolicy { timeout: 18, retry };
+        if let Some(t) = env("RDMACOMM_IB_TIMEOUT") {
+            p.timeout = t.clamp(1, 31);
+            return p;
+        }
+        while p.timeout > 12 && p.report_after() > limit.as_secs_f64() / 2.0 {
+            p.timeout -= 1;
+        }
+        p
+    }
+}
+
 impl Default for RetryPolicy {
     fn default() -> Self {
-        // ~ 7 x 4.096 us x 2^16 = 1.9 s to report a dead peer.
-        RetryPolicy {
-            timeout: 16,
-            retry: 6,
-        }
+        RetryPolicy::for_limit(std::time::Duration::from_secs(30))
     }
 }
 

@@ -1,0 +1,310 @@
+//! Recursive halving-doubling (Rabenseifner) and recursive doubling, for any world size.
+//!
+//! With p the largest power of two <= n and rem = n - p, the first 2*rem ranks fold first: each
+//! even one sends its whole vector to the odd one above it and sits out; the p remaining ranks
+//! (new rank = r/2 below 2*rem, r - rem above) run the power-of-two algorithm; at the end each
+//! odd folding rank sends the result back to its even partner (Open MPI's scheme).
+//!
+//! - `all_reduce_halving`: reduce-scatter by recursive halving (each step exchanges half of the
+//!   current range with partner newrank ^ mask and reduces the kept half), then all-gather by
+//!   recursive doubling. Each final element is computed on exactly one rank and then copied, so
+//!   every rank gets the same bits.
+//! - `all_reduce_doubling`: the latency path: log2(p) exchanges of the whole vector; partners
+//!   combine as op(lower group, higher group), so both compute the same bits.
+
+use crate::collectives::ring::chunks;
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Result};
+use crate::reduce::reduce_unchecked;
+use crate::transport::Link;
+
+/// What to do with a received range.
+#[derive(Clone, Copy)]
+enum Into {
+    /// Copy it into the buffer.
+    Copy,
+    /// Reduce it into the buffer: buf = op(buf, received).
+    Reduce(AllReduce, DType),
+}
+
+/// Sends `send` to `peer` while receiving `recv.len()` bytes from it into `recv`, pipelined over
+/// the link's slots. `None` skips a direction; an empty slice still sends/takes one empty chunk.
+fn exchange(
+    link: &mut dyn Link,
+    peer: usize,
+    send: Option<&[u8]>,
+    mut recv: Option<&mut [u8]>,
+    into: Into,
+    esize: usize,
+) -> Result<()> {
+    let seg = (link.max_chunk() / esize * esize).max(esize);
+    let pieces = |len: usize| len.div_ceil(seg).max(1);
+    let piece = |i: usize, len: usize| (i * seg).min(len)..((i + 1) * seg).min(len);
+    let ns = send.map_or(0, |s| pieces(s.len()));
+    let nr = recv.as_ref().map_or(0, |r| pieces(r.len()));
+    let (mut si, mut ri) = (0, 0);
+    link.begin();
+    while si < ns || ri < nr {
+        let mut did = false;
+        while let Some(out) = send.filter(|_| si < ns) {
+            if !link.try_post(peer, &out[piece(si, out.len())])? {
+                break;
+            }
+            si += 1;
+            did = true;
+        }
+        if let Some(inp) = recv.as_deref_mut().filter(|_| ri < nr) {
+            let len = inp.len();
+            let dst = &mut inp[piece(ri, len)];
+            let got = link.try_take(peer, &mut |src: &[u8]| {
+                if src.len() != dst.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "received {} bytes from rank {peer} where {} were expected: do all ranks pass buffers of the same length?",
+                        src.len(),
+                        dst.len()
+                    )));
+                }
+                match into {
+                    Into::Copy => dst.copy_from_slice(src),
+                    Into::Reduce(op, dtype) => reduce_unchecked(op, dtype, dst, src),
+                }
+                Ok(())
+            })?;
+            if got {
+                ri += 1;
+                did = true;
+            }
+        }
+        if !did {
+            link.progress(peer)?;
+        }
+    }
+    Ok(())
+}
+
+/// Two disjoint ranges of `buf`: the first to read, the second to write.
+fn split(buf: &mut [u8], read: (usize, usize), write: (usize, usize)) -> (&[u8], &mut [u8]) {
+    if read.0 < write.0 {
+        let (a, b) = buf.split_at_mut(write.0);
+        (&a[read.0..read.0 + read.1], &mut b[..write.1])
+    } else {
+        let (a, b) = buf.split_at_mut(read.0);
+        (&b[..read.1], &mut a[write.0..write.0 + write.1])
+    }
+}
+
+/// The fold of a non-power-of-two world: `Some(new rank)` for ranks that take part in the
+/// power-of-two algorithm, `None` for the even ranks below 2*rem that sit out.
+struct Fold {
+    p: usize,
+    rem: usize,
+    me: Option<usize>,
+}
+
+impl Fold {
+    fn new(rank: usize, n: usize) -> Fold {
+        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
+        let rem = n - p;
+        let me = if rank < 2 * rem {
+            (rank % 2 == 1).then_some(rank / 2)
+        } else {
+            Some(rank - rem)
+        };
+        Fold { p, rem, me }
+    }
+    /// The real rank of new rank `nr`.
+    fn real(&self, nr: usize) -> usize {
+        if nr < self.rem {
+            2 * nr + 1
+        } else {
+            nr + self.rem
+        }
+    }
+}
+
+/// Fold in: even ranks below 2*rem send everything to rank+1, which reduces it in.
+fn fold_in(
+    link: &mut dyn Link,
+    f: &Fold,
+    data: &mut [u8],
+    op: AllReduce,
+    dtype: DType,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let r = link.rank();
+    if r >= 2 * f.rem {
+        return Ok(());
+    }
+    if r % 2 == 0 {
+        exchange(link, r + 1, Some(data), None, Into::Copy, dtype.size())
+    } else {
+        // op(lower rank's data, ours) in rank order: receive into scratch, then combine.
+        scratch.clear();
+        scratch.resize(data.len(), 0);
+        exchange(link, r - 1, None, Some(scratch), Into::Copy, dtype.size())?;
+        reduce_unchecked(op, dtype, scratch, data);
+        data.copy_from_slice(scratch);
+        Ok(())
+    }
+}
+
+/// Fold out: odd ranks below 2*rem send the result back to rank-1.
+fn fold_out(link: &mut dyn Link, f: &Fold, data: &mut [u8], esize: usize) -> Result<()> {
+    let r = link.rank();
+    if r >= 2 * f.rem {
+        return Ok(());
+    }
+    if r % 2 == 1 {
+        exchange(link, r - 1, Some(data), None, Into::Copy, esize)
+    } else {
+        exchange(link, r + 1, None, Some(data), Into::Copy, esize)
+    }
+}
+
+/// Byte range covering blocks `lo..hi` of `blocks`.
+fn span(blocks: &[(usize, usize)], lo: usize, hi: usize) -> (usize, usize) {
+    let start = blocks[lo].0;
+    let end = blocks[hi - 1].0 + blocks[hi - 1].1;
+    (start, end - start)
+}
+
+/// Recursive halving: afterwards this rank (new rank `me`) holds block `me` fully reduced.
+/// Returns the owned block range.
+fn halve(
+    link: &mut dyn Link,
+    f: &Fold,
+    me: usize,
+    data: &mut [u8],
+    blocks: &[(usize, usize)],
+    op: AllReduce,
+    dtype: DType,
+) -> Result<(usize, usize)> {
+    let (mut lo, mut hi) = (0, f.p);
+    let mut mask = f.p / 2;
+    while mask > 0 {
+        let partner = f.real(me ^ mask);
+        let mid = lo + (hi - lo) / 2;
+        let (keep, give) = if me & mask == 0 {
+            ((lo, mid), (mid, hi))
+        } else {
+            ((mid, hi), (lo, mid))
+        };
+        let (out, inp) = split(
+            data,
+            span(blocks, give.0, give.1),
+            span(blocks, keep.0, keep.1),
+        );
+        exchange(
+            link,
+            partner,
+            Some(out),
+            Some(inp),
+            Into::Reduce(op, dtype),
+            dtype.size(),
+        )?;
+        (lo, hi) = keep;
+        mask /= 2;
+    }
+    Ok((lo, hi))
+}
+
+/// Recursive doubling all-gather: grows the owned block range back to all blocks.
+fn double(
+    link: &mut dyn Link,
+    f: &Fold,
+    me: usize,
+    data: &mut [u8],
+    blocks: &[(usize, usize)],
+    owned: (usize, usize),
+    esize: usize,
+) -> Result<()> {
+    let (mut lo, mut hi) = owned;
+    let mut mask = 1;
+    while mask < f.p {
+        let partner = f.real(me ^ mask);
+        let width = hi - lo;
+        let (plo, phi) = if me & mask == 0 {
+            (hi, hi + width)
+        } else {
+            (lo - width, lo)
+        };
+        let (out, inp) = split(data, span(blocks, lo, hi), span(blocks, plo, phi));
+        exchange(link, partner, Some(out), Some(inp), Into::Copy, esize)?;
+        (lo, hi) = (lo.min(plo), hi.max(phi));
+        mask *= 2;
+    }
+    Ok(())
+}
+
+/// Reduce-scatter by recursive halving, for a power-of-two world: afterwards chunk `rank` of
+/// `data` (`size` equal chunks) holds the reduction of every rank's chunk `rank`.
+pub fn reduce_scatter_halving(
+    link: &mut dyn Link,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+) -> Result<()> {
+    let n = link.size();
+    debug_assert!(n.is_power_of_two());
+    let f = Fold::new(link.rank(), n);
+    let each = data.len() / n;
+    let blocks: Vec<(usize, usize)> = (0..n).map(|c| (c * each, each)).collect();
+    let me = link.rank();
+    halve(link, &f, me, data, &blocks, op, dtype).map(|_| ())
+}
+
+/// Recursive halving reduce-scatter over `p` blocks, then recursive doubling all-gather.
+pub fn all_reduce_halving(
+    link: &mut dyn Link,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let n = link.size();
+    let f = Fold::new(link.rank(), n);
+    fold_in(link, &f, data, op, dtype, scratch)?;
+    if let Some(me) = f.me {
+        let blocks = chunks(data.len() / dtype.size(), f.p, dtype.size());
+        let owned = halve(link, &f, me, data, &blocks, op, dtype)?;
+        double(link, &f, me, data, &blocks, owned, dtype.size())?;
+    }
+    fold_out(link, &f, data, dtype.size())
+}
+
+/// Recursive doubling of the whole vector: log2(p) exchanges (the latency path).
+pub fn all_reduce_doubling(
+    link: &mut dyn Link,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let n = link.size();
+    let f = Fold::new(link.rank(), n);
+    fold_in(link, &f, data, op, dtype, scratch)?;
+    if let Some(me) = f.me {
+        let mut mask = 1;
+        while mask < f.p {
+            let partner = f.real(me ^ mask);
+            scratch.clear();
+            scratch.resize(data.len(), 0);
+            exchange(
+                link,
+                partner,
+                Some(data),
+                Some(scratch),
+                Into::Copy,
+                dtype.size(),
+            )?;
+            if me & mask == 0 {
+                reduce_unchecked(op, dtype, data, scratch);
+            } else {
+                reduce_unchecked(op, dtype, scratch, data);
+                data.copy_from_slice(scratch);
+            }
+            mask *= 2;
+        }
+    }
+    fold_out(link, &f, data, dtype.size())
+}
