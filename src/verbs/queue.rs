@@ -2,14 +2,15 @@
 
 use crate::error::{Error, Result};
 use crate::verbs::device::Selected;
-use rdma_mummy_sys::{ibv_poll_cq, ibv_wc};
+use rdma_mummy_sys::{
+    ibv_poll_cq, ibv_post_recv, ibv_post_send, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode, rdma_t,
+};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue as _};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairAttributeMask,
-    QueuePairBuilder, QueuePairState, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+    BasicQueuePair, QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairBuilder, QueuePairState,
 };
 use sideway::ibverbs::AccessFlags;
 use std::sync::Arc;
@@ -286,7 +287,8 @@ impl RcQueuePair {
     }
 
     /// Posts an RDMA WRITE of `len` bytes at local `addr` (in the MR of `lkey`) to the peer's
-    /// `remote_addr` (in its MR of `rkey`), with an immediate when `imm` is set.
+    /// `remote_addr` (in its MR of `rkey`), with an immediate when `imm` is set. Payloads up to
+    /// [`MAX_INLINE`] bytes go inline (copied at post time). No allocation.
     ///
     /// # Safety
     /// The local range must stay valid and unmodified, and the remote range must belong to the
@@ -303,41 +305,50 @@ impl RcQueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<()> {
-        let flags = if signaled {
-            WorkRequestFlags::Signaled
-        } else {
-            WorkRequestFlags::none()
-        };
-        let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, flags);
-        let h = match imm {
-            Some(i) => wr.setup_write_imm(rkey, remote_addr, i.to_be()),
-            None => wr.setup_write(rkey, remote_addr),
-        };
-        if len <= MAX_INLINE && len > 0 {
-            // Inline: the bytes are copied at post time.
-            // SAFETY: the caller guarantees addr..addr+len is valid memory.
-            h.setup_inline_data(unsafe {
-                std::slice::from_raw_parts(addr as *const u8, len as usize)
-            });
-        } else if len > 0 {
-            // SAFETY: the caller guarantees the range is registered under lkey and stays valid.
-            unsafe { h.setup_sge(lkey, addr, len) };
+        let mut sge = ibv_sge { addr, length: len, lkey };
+        // SAFETY: an all-zero ibv_send_wr is valid (null pointers, zero unions); fields set below.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        if len > 0 {
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
         }
-        guard.post().map_err(|e| Error::Verbs {
-            op: "post RDMA write",
-            detail: format!("{e:?}"),
-        })
+        wr.opcode = if imm.is_some() { ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM } else { ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+        let mut flags = 0;
+        if signaled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        if len > 0 && len <= MAX_INLINE {
+            flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        wr.send_flags = flags;
+        wr.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
+        wr.wr.rdma = rdma_t { remote_addr, rkey };
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive (owned by self); wr and sge live on this stack frame for the
+        // call (inline data is copied during it); the caller guarantees the ranges (see above).
+        let rc = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
+        if rc != 0 {
+            let why = match rc {
+                libc::ENOMEM => "send queue full".to_string(),
+                e => std::io::Error::from_raw_os_error(e).to_string(),
+            };
+            return Err(Error::Verbs { op: "post RDMA write", detail: why });
+        }
+        Ok(())
     }
 
     /// Posts a receive with no buffer: it only takes a WRITE_WITH_IMM's immediate.
     pub fn post_recv(&mut self, wr_id: u64) -> Result<()> {
-        let mut guard = self.qp.start_post_recv();
-        let _ = guard.construct_wr(wr_id);
-        guard.post().map_err(|e| Error::Verbs {
-            op: "post receive",
-            detail: format!("{e:?}"),
-        })
+        let mut wr = ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: the QP is alive (owned by self); wr is valid for the call and has no SGE.
+        let rc = unsafe { ibv_post_recv(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
+        if rc != 0 {
+            let detail = std::io::Error::from_raw_os_error(rc).to_string();
+            return Err(Error::Verbs { op: "post receive", detail });
+        }
+        Ok(())
     }
 
     /// The QP's real state, queried from the device (the cached one can be stale).
