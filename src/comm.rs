@@ -1,17 +1,16 @@
-//! [`RdmaComm`]: the byte-level [`Communicator`] over the RDMA transport.
+//! [`Comm`]: the byte-level [`Communicator`] over a transport (RDMA, or TCP where there is none).
 
 use crate::api::{check_all_gather, check_all_reduce, check_peer, check_sum_scatter, Communicator};
 use crate::collectives::{halving, p2p, ring};
 use crate::config::Config;
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
-use crate::transport::rdma::RdmaTransport;
-use crate::transport::Link;
+use crate::transport::{self, Link, Transport};
 use std::sync::{Mutex, MutexGuard};
 
 struct Inner {
     /// None for a world of one.
-    link: Option<RdmaTransport>,
+    link: Option<Box<dyn Transport>>,
     scratch: Vec<u8>,
 }
 
@@ -68,9 +67,10 @@ impl Algo {
     }
 }
 
-/// A communicator over RDMA: one reliable-connected queue pair per peer. Calls are serialized
-/// (the trait is `Sync`; one operation runs at a time).
-pub struct RdmaComm {
+/// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
+/// device exists, over TCP (`RDMACOMM_TRANSPORT`). Calls are serialized (the trait is `Sync`;
+/// one operation runs at a time).
+pub struct Comm {
     rank: usize,
     size: usize,
     inner: Mutex<Inner>,
@@ -79,17 +79,17 @@ pub struct RdmaComm {
     algo: Mutex<Algo>,
 }
 
-impl RdmaComm {
+impl Comm {
     /// Joins the group described by `cfg` (every rank must call this). A world of one needs no
     /// device.
     pub fn new(cfg: &Config) -> Result<Self> {
         cfg.validate()?;
         let link = if cfg.world_size > 1 {
-            Some(RdmaTransport::connect(cfg)?)
+            Some(transport::connect(cfg, cfg.transport)?)
         } else {
             None
         };
-        Ok(RdmaComm {
+        Ok(Comm {
             rank: cfg.rank,
             size: cfg.world_size,
             inner: Mutex::new(Inner {
@@ -103,7 +103,7 @@ impl RdmaComm {
 
     /// Joins the group described by the environment (see [`Config::from_env`]).
     pub fn from_env() -> Result<Self> {
-        RdmaComm::new(&Config::from_env()?)
+        Comm::new(&Config::from_env()?)
     }
 
     /// Chooses the all_reduce algorithm (every rank must choose the same).
@@ -116,9 +116,10 @@ impl RdmaComm {
         *self.algo.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The RDMA device, port and GID in use (None for a world of one).
+    /// The transport in use, in words: `RDMA <device> port <n> GID[<i>]` or `TCP` (None for a
+    /// world of one).
     pub fn device(&self) -> Option<String> {
-        self.lock().link.as_ref().map(|l| l.device().to_string())
+        self.lock().link.as_ref().map(|l| l.describe())
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -126,16 +127,13 @@ impl RdmaComm {
     }
 
     /// Runs `f` on the link unless the communicator failed before; a failure poisons it.
-    fn with_link<T>(
-        &self,
-        f: impl FnOnce(&mut RdmaTransport, &mut Vec<u8>) -> Result<T>,
-    ) -> Result<T> {
+    fn with_link<T>(&self, f: impl FnOnce(&mut dyn Link, &mut Vec<u8>) -> Result<T>) -> Result<T> {
         let mut g = self.lock();
         self.check_usable()?;
         let inner = &mut *g;
         let link = inner
             .link
-            .as_mut()
+            .as_deref_mut()
             .expect("world of one handled by the caller");
         let r = f(link, &mut inner.scratch);
         if let Err(e) = &r {
@@ -159,7 +157,7 @@ impl RdmaComm {
     }
 }
 
-impl Communicator for RdmaComm {
+impl Communicator for Comm {
     fn rank(&self) -> usize {
         self.rank
     }

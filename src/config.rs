@@ -6,7 +6,8 @@
 //! `SLURM_PROCID`/`SLURM_NTASKS`. Coordinator (rank 0's rendezvous address): `RDMACOMM_COORDINATOR`
 //! (`host:port`), else `MASTER_ADDR`:`MASTER_PORT` (port 29500 if unset). `RDMACOMM_TIMEOUT`
 //! (seconds, default 30) bounds every wait. `RDMACOMM_BIND_ADDR` is this rank's own IP (the source
-//! of its bootstrap connection). World size 1 needs none of these.
+//! of its bootstrap connection). `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`) picks the transport.
+//! World size 1 needs none of these.
 
 use crate::error::{Error, Result};
 use crate::verbs::DeviceChoice;
@@ -34,6 +35,8 @@ pub struct Config {
     pub slot_bytes: usize,
     /// Slots per peer and direction (writes in flight per peer).
     pub slots: usize,
+    /// RDMA, TCP, or RDMA where usable (`RDMACOMM_TRANSPORT`).
+    pub transport: crate::transport::Kind,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -88,6 +91,7 @@ impl Config {
             device: DeviceChoice::from_env()?,
             slot_bytes,
             slots,
+            transport: crate::transport::Kind::from_env()?,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -18,7 +18,7 @@ pub mod transport;
 pub mod verbs;
 
 pub use api::Communicator;
-pub use comm::{Algo, RdmaComm};
+pub use comm::{Algo, Comm};
 pub use config::Config;
 pub use dtype::{AllReduce, DType};
 pub use error::{Error, Peer, Result};

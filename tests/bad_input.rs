@@ -4,13 +4,13 @@
 
 mod common;
 use common::*;
-use rdmacomm::{AllReduce, Communicator, Config, DType, RdmaComm};
+use rdmacomm::{AllReduce, Comm, Communicator, Config, DType};
 use std::process::Command;
 
 /// Joining a world of 2 as rank 1 fails before the rendezvous when the local setup is wrong.
 fn try_join() -> String {
     let cfg = Config::new(1, 2, "127.0.0.1:9").unwrap();
-    match RdmaComm::new(&cfg) {
+    match Comm::new(&cfg) {
         Ok(_) => "JOINED".into(),
         Err(e) => format!("ERROR: {e}"),
     }
@@ -43,6 +43,7 @@ fn memlock_limit_too_low_names_ulimit() {
             "--nocapture",
         ])
         .env("RXE_TEST_CHILD_MEMLOCK", "1")
+        .env("RDMACOMM_TRANSPORT", "rdma")
         .output()
         .expect("setpriv/prlimit (util-linux)");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -79,6 +80,7 @@ fn missing_gid_index_and_device_are_named() {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["child_join", "--exact", "--nocapture", "--include-ignored"])
             .env(k, v)
+            .env("RDMACOMM_TRANSPORT", "rdma")
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -95,7 +97,7 @@ fn child_join() {
 #[test]
 fn wrong_lengths_write_nothing() {
     // Argument checks run before any traffic, so a world of one shows them without a device.
-    let c = RdmaComm::new(&Config::new(0, 1, "").unwrap()).unwrap();
+    let c = Comm::new(&Config::new(0, 1, "").unwrap()).unwrap();
     let mut buf = vec![7u8; 10];
     let e = c
         .all_reduce(AllReduce::Sum, DType::f64, &mut buf)

@@ -4,13 +4,13 @@
 
 mod common;
 use common::*;
-use rdmacomm::{Communicator, Config, RdmaComm};
+use rdmacomm::{Comm, Communicator, Config};
 use std::time::{Duration, Instant};
 
 /// A rank: join, print the outcome, exit 0 on success and 3 on error.
 fn join_body() {
     let t0 = Instant::now();
-    match RdmaComm::from_env() {
+    match Comm::from_env() {
         Ok(c) => {
             println!("JOINED rank {} of {}", c.rank(), c.size());
         }
@@ -30,7 +30,7 @@ fn missing_rank_is_named_on_every_waiting_rank() {
     if is_child("missing_rank_is_named_on_every_waiting_rank") {
         return join_body();
     }
-    if !rdma_available() {
+    if !transport_ready() {
         return;
     }
     // World of 3, only ranks 0 and 1 started.
@@ -61,7 +61,7 @@ fn world_size_mismatch_is_refused() {
     if is_child("world_size_mismatch_is_refused") {
         return join_body();
     }
-    if !rdma_available() {
+    if !transport_ready() {
         return;
     }
     let r = spawn(
@@ -93,7 +93,7 @@ fn duplicated_rank_is_refused() {
     if is_child("duplicated_rank_is_refused") {
         return join_body();
     }
-    if !rdma_available() {
+    if !transport_ready() {
         return;
     }
     // Three processes for a world of 3, but two of them claim rank 1.
@@ -132,7 +132,7 @@ fn coordinator_port_in_use_is_named() {
     if is_child("coordinator_port_in_use_is_named") {
         return join_body();
     }
-    if !rdma_available() {
+    if !transport_ready() {
         return;
     }
     let port = free_port();
@@ -277,7 +277,7 @@ fn bad_configuration_says_what_to_fix() {
 #[test]
 fn world_of_one_needs_no_device() {
     let cfg = Config::new(0, 1, "").unwrap();
-    let c = RdmaComm::new(&cfg).unwrap();
+    let c = Comm::new(&cfg).unwrap();
     let mut d = 1.5f32.to_le_bytes();
     c.all_reduce(rdmacomm::AllReduce::Sum, rdmacomm::DType::f32, &mut d)
         .unwrap();
@@ -300,8 +300,9 @@ fn no_device_is_a_clear_error() {
         eprintln!("SKIPPED: this host has an RDMA device");
         return;
     }
-    let cfg = Config::new(0, 2, "127.0.0.1:1").unwrap();
-    let e = RdmaComm::new(&cfg)
+    let mut cfg = Config::new(0, 2, "127.0.0.1:1").unwrap();
+    cfg.transport = rdmacomm::transport::Kind::Rdma;
+    let e = Comm::new(&cfg)
         .err()
         .expect("must fail without a device")
         .to_string();

@@ -6,10 +6,10 @@
 mod common;
 use common::reference::*;
 use common::*;
-use rdmacomm::{Algo, AllReduce, Communicator, DType, RdmaComm};
+use rdmacomm::{Algo, AllReduce, Comm, Communicator, DType};
 use std::time::Duration;
 
-fn same_everywhere(c: &RdmaComm, what: &str, data: &[u8]) {
+fn same_everywhere(c: &Comm, what: &str, data: &[u8]) {
     let h = hash(data).to_le_bytes();
     let mut all = vec![0u8; 8 * c.size()];
     c.all_gather(&h, &mut all).unwrap();
@@ -33,7 +33,7 @@ fn other_op(dtype: DType) -> AllReduce {
 
 fn body() {
     let (r, n) = rank_size();
-    let c = RdmaComm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
     eprintln!("rank {r}/{n}: {:?}", c.device());
     let big_elems = |d: DType| (16 << 20) / d.size();
     let full = std::env::var("RXE_TEST_FULL16").is_ok_and(|v| v == "1") || n == 2;
@@ -150,7 +150,7 @@ fn run(name: &str, n: usize, placement: Placement) {
     if is_child(name) {
         return body();
     }
-    if !rdma_available() {
+    if !transport_ready() {
         return;
     }
     if placement == Placement::Hosts && vm_hosts() < 2 {

@@ -7,7 +7,7 @@
 //! busbw as nccl-tests: all_reduce algbw x 2(n-1)/n; all_gather, sum_scatter algbw x (n-1)/n;
 //! sendrecv algbw. Time is the slowest rank's mean per iteration.
 
-use rdmacomm::{Algo, AllReduce, Communicator, DType, RdmaComm};
+use rdmacomm::{Algo, AllReduce, Comm, Communicator, DType};
 use std::time::Instant;
 
 #[derive(Debug, Clone)]
@@ -151,7 +151,7 @@ fn fill(dtype: DType, op: AllReduce, rank: usize, first: usize, buf: &mut [u8]) 
 
 /// Runs one size once; returns wrong-element count when checking.
 fn run_once(
-    c: &RdmaComm,
+    c: &Comm,
     o: &Opts,
     bytes: usize,
     a: &mut [u8],
@@ -227,7 +227,7 @@ fn run_once(
 }
 
 fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
-    let c = RdmaComm::from_env()?;
+    let c = Comm::from_env()?;
     c.set_algorithm(o.algo);
     let (r, n, s) = (c.rank(), c.size(), o.dtype.size());
     let unit = match o.coll.as_str() {

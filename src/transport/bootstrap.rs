@@ -643,3 +643,36 @@ impl Drop for SideChannel {
         }
     }
 }
+
+/// The tag each transport puts first in its card.
+pub(crate) const TAG_RDMA: u32 = 0x4144_4d52; // "RDMA"
+/// The tag of a TCP card.
+pub(crate) const TAG_TCP: u32 = 0x2050_4354; // "TCP "
+
+/// Checks that every rank's card starts with `tag` (all ranks chose the same transport).
+pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u32) -> Result<()> {
+    let name = |t: u32| {
+        if t == TAG_RDMA {
+            "RDMA"
+        } else if t == TAG_TCP {
+            "TCP"
+        } else {
+            "an unknown transport"
+        }
+    };
+    for (p, c) in cards.iter().enumerate() {
+        let t = c
+            .get(..4)
+            .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+        if t != tag {
+            return Err(Error::Config(format!(
+                "rank {p} ({}) uses {} but rank {me} uses {}: set RDMACOMM_TRANSPORT alike on every rank \
+                 (auto picks RDMA only where a device is usable)",
+                addrs[p],
+                name(t),
+                name(tag)
+            )));
+        }
+    }
+    Ok(())
+}

@@ -4,6 +4,7 @@
 
 pub mod bootstrap;
 pub mod rdma;
+pub mod tcp;
 
 use crate::error::{Peer, Result};
 
@@ -30,4 +31,83 @@ pub trait Link {
     fn progress(&mut self, waiting_on: usize) -> Result<()>;
     /// Marks the start of an operation (resets the no-progress clock).
     fn begin(&mut self);
+}
+
+/// A transport a communicator can own: a [`Link`] that can also check its peers' health and say
+/// what it runs on.
+pub trait Transport: Link + Send {
+    /// Whether every peer is still reachable, without blocking; an error names a lost peer.
+    fn health(&mut self) -> Result<()>;
+    /// What this transport runs on (device, port and GID for RDMA; "TCP").
+    fn describe(&self) -> String;
+}
+
+impl Transport for rdma::RdmaTransport {
+    fn health(&mut self) -> Result<()> {
+        rdma::RdmaTransport::health(self)
+    }
+    fn describe(&self) -> String {
+        format!("RDMA {}", self.device())
+    }
+}
+
+impl Transport for tcp::TcpTransport {
+    fn health(&mut self) -> Result<()> {
+        tcp::TcpTransport::health(self)
+    }
+    fn describe(&self) -> String {
+        self.device()
+    }
+}
+
+/// Which transport a communicator uses (`RDMACOMM_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// RDMA where a usable device and ACTIVE port exist, TCP otherwise (said once on stderr).
+    Auto,
+    /// RDMA only: no device is an error.
+    Rdma,
+    /// TCP only.
+    Tcp,
+}
+
+impl Kind {
+    /// Reads `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`; default `auto`).
+    pub fn from_env() -> crate::Result<Kind> {
+        match std::env::var("RDMACOMM_TRANSPORT").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => Ok(Kind::Auto),
+            Ok("rdma") => Ok(Kind::Rdma),
+            Ok("tcp") => Ok(Kind::Tcp),
+            Ok(v) => Err(crate::Error::Config(format!(
+                "RDMACOMM_TRANSPORT={v:?}: use auto, rdma or tcp"
+            ))),
+        }
+    }
+}
+
+/// Connects the transport `kind` names for `cfg` (every rank must resolve to the same one).
+pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
+    let use_rdma = match kind {
+        Kind::Rdma => true,
+        Kind::Tcp => false,
+        Kind::Auto => {
+            match crate::verbs::list_ports() {
+                Ok(ports) if ports.iter().any(|p| p.active) => true,
+                other => {
+                    let why = match other {
+                        Ok(_) => "no RDMA port is ACTIVE".to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| eprintln!("rdmacomm: using TCP ({why}); set RDMACOMM_TRANSPORT=rdma to require RDMA"));
+                    false
+                }
+            }
+        }
+    };
+    Ok(if use_rdma {
+        Box::new(rdma::RdmaTransport::connect(cfg)?)
+    } else {
+        Box::new(tcp::TcpTransport::connect(cfg)?)
+    })
 }

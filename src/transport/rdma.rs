@@ -11,7 +11,7 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{rendezvous, Reader, SideChannel};
+use crate::transport::bootstrap::{check_tags, rendezvous, Reader, SideChannel, TAG_RDMA};
 use crate::transport::Link;
 use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer,
@@ -152,6 +152,7 @@ impl RdmaTransport {
         }
         // Our card: geometry, buffer address and key, and one endpoint per rank.
         let mut card = Vec::new();
+        card.extend_from_slice(&TAG_RDMA.to_le_bytes());
         card.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
         card.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
         card.extend_from_slice(&buf.addr().to_le_bytes());
@@ -165,6 +166,7 @@ impl RdmaTransport {
             card.extend_from_slice(&e.gid);
         }
         let rv = rendezvous(cfg, &card)?;
+        check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_RDMA)?;
         let mut side = rv.side;
         let policy = RetryPolicy::for_limit(cfg.timeout);
         let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
@@ -174,7 +176,7 @@ impl RdmaTransport {
                 continue;
             };
             let addr_p = &rv.addrs[p];
-            let mut r = Reader(&rv.cards[p]);
+            let mut r = Reader(&rv.cards[p][4..]);
             let (slots, slot) = (r.u32()? as usize, r.u32()? as usize);
             if slots != cfg.slots || slot != cfg.slot_bytes {
                 return Err(Error::Config(format!(
@@ -285,6 +287,18 @@ impl RdmaTransport {
 
     /// Records the first failure, tells the group (side channel), and returns it as an error.
     fn fail(&mut self, p: usize, reason: String) -> Error {
+        if self.failed.is_none() && p != self.rank {
+            // A broken link to p may be the echo of another rank's failure (p failed too and
+            // exited): give the side channel a moment to deliver the root cause first.
+            let until = Instant::now() + Duration::from_millis(250);
+            while self.side.failure().is_none() && Instant::now() < until {
+                self.side.poll();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if let Some(f) = self.side.failure() {
+                self.failed = Some(f);
+            }
+        }
         if self.failed.is_none() {
             self.failed = Some((p, reason.clone()));
             let told = format!(

@@ -3,14 +3,16 @@
 use crate::error::{Error, Result};
 use crate::verbs::device::Selected;
 use rdma_mummy_sys::{
-    ibv_poll_cq, ibv_post_recv, ibv_post_send, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode, rdma_t,
+    ibv_poll_cq, ibv_post_recv, ibv_post_send, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge,
+    ibv_wc, ibv_wr_opcode, rdma_t,
 };
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue as _};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairBuilder, QueuePairState,
+    BasicQueuePair, QueuePair, QueuePairAttribute, QueuePairAttributeMask, QueuePairBuilder,
+    QueuePairState,
 };
 use sideway::ibverbs::AccessFlags;
 use std::sync::Arc;
@@ -305,7 +307,11 @@ impl RcQueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<()> {
-        let mut sge = ibv_sge { addr, length: len, lkey };
+        let mut sge = ibv_sge {
+            addr,
+            length: len,
+            lkey,
+        };
         // SAFETY: an all-zero ibv_send_wr is valid (null pointers, zero unions); fields set below.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
@@ -313,7 +319,11 @@ impl RcQueuePair {
             wr.sg_list = &mut sge;
             wr.num_sge = 1;
         }
-        wr.opcode = if imm.is_some() { ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM } else { ibv_wr_opcode::IBV_WR_RDMA_WRITE };
+        wr.opcode = if imm.is_some() {
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+        } else {
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE
+        };
         let mut flags = 0;
         if signaled {
             flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
@@ -333,20 +343,31 @@ impl RcQueuePair {
                 libc::ENOMEM => "send queue full".to_string(),
                 e => std::io::Error::from_raw_os_error(e).to_string(),
             };
-            return Err(Error::Verbs { op: "post RDMA write", detail: why });
+            return Err(Error::Verbs {
+                op: "post RDMA write",
+                detail: why,
+            });
         }
         Ok(())
     }
 
     /// Posts a receive with no buffer: it only takes a WRITE_WITH_IMM's immediate.
     pub fn post_recv(&mut self, wr_id: u64) -> Result<()> {
-        let mut wr = ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: std::ptr::null_mut(), num_sge: 0 };
+        let mut wr = ibv_recv_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        };
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the QP is alive (owned by self); wr is valid for the call and has no SGE.
         let rc = unsafe { ibv_post_recv(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
         if rc != 0 {
             let detail = std::io::Error::from_raw_os_error(rc).to_string();
-            return Err(Error::Verbs { op: "post receive", detail });
+            return Err(Error::Verbs {
+                op: "post receive",
+                detail,
+            });
         }
         Ok(())
     }

@@ -45,6 +45,18 @@ pub fn rdma_available() -> bool {
     }
 }
 
+/// Whether the VM stage demands RDMA (`RDMACOMM_REQUIRE_RDMA=1`).
+pub fn require_rdma() -> bool {
+    std::env::var("RDMACOMM_REQUIRE_RDMA").is_ok_and(|v| v == "1")
+}
+
+/// Whether transport-agnostic tests can run: always (over TCP on a host without RDMA, with
+/// RDMACOMM_TRANSPORT=auto); under `RDMACOMM_REQUIRE_RDMA=1` only over RDMA (panics otherwise),
+/// and [`spawn`] then sets `RDMACOMM_TRANSPORT=rdma` so nothing falls back to TCP.
+pub fn transport_ready() -> bool {
+    !require_rdma() || rdma_available()
+}
+
 /// A free TCP port on loopback (for the coordinator).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -108,6 +120,9 @@ pub fn spawn(
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if require_rdma() {
+            c.env("RDMACOMM_TRANSPORT", "rdma");
+        }
         if placement == Placement::Hosts && hosts > 0 {
             let h = r % hosts;
             c.env(
