@@ -39,6 +39,27 @@ pub trait Communicator: Send + Sync {
         Ok(())
     }
 
+    /// Broadcasts `data` from rank `root` to every rank (equal lengths everywhere).
+    ///
+    /// Beyond the spec; the default has the root send to every rank in turn.
+    fn broadcast(&self, root: usize, data: &mut [u8]) -> Result<()> {
+        check_root(root, self.size())?;
+        if self.rank() == root {
+            for r in (0..self.size()).filter(|&r| r != root) {
+                self.send(r, data)?;
+            }
+            Ok(())
+        } else {
+            self.recv(root, data)
+        }
+    }
+
+    /// Waits until every rank has called it. Beyond the spec; the default all-reduces a byte.
+    fn barrier(&self) -> Result<()> {
+        let mut b = [0u8];
+        self.all_reduce(AllReduce::Max, DType::u8, &mut b)
+    }
+
     /// Whether every peer is still reachable, checked without a collective and without
     /// blocking; an error names a lost peer. Backends that cannot tell report `Ok`.
     fn health(&self) -> Result<()> {
@@ -88,6 +109,16 @@ pub(crate) fn check_sum_scatter(
             input.len(),
             output.len(),
             size * output.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a broadcast root.
+pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
+    if root >= size {
+        return Err(Error::InvalidArgument(format!(
+            "broadcast: root {root} is out of range (world size {size})"
         )));
     }
     Ok(())

@@ -1,7 +1,9 @@
 //! [`Comm`]: the byte-level [`Communicator`] over a transport (RDMA, or TCP where there is none).
 
-use crate::api::{check_all_gather, check_all_reduce, check_peer, check_sum_scatter, Communicator};
-use crate::collectives::{halving, p2p, ring};
+use crate::api::{
+    check_all_gather, check_all_reduce, check_peer, check_root, check_sum_scatter, Communicator,
+};
+use crate::collectives::{bcast, halving, p2p, ring};
 use crate::config::Config;
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -77,6 +79,7 @@ pub struct Comm {
     /// Set by the first failure; every later call returns it (readable while an op runs).
     poisoned: Mutex<Option<String>>,
     algo: Mutex<Algo>,
+    cfg: Config,
 }
 
 impl Comm {
@@ -98,12 +101,127 @@ impl Comm {
             }),
             poisoned: Mutex::new(None),
             algo: Mutex::new(Algo::from_env()?),
+            cfg: cfg.clone(),
         })
     }
 
     /// Joins the group described by the environment (see [`Config::from_env`]).
     pub fn from_env() -> Result<Self> {
         Comm::new(&Config::from_env()?)
+    }
+
+    /// Splits into subgroups (MPI_Comm_split / MLX's split), collectively over every rank of
+    /// this communicator: ranks with the same `color` form one, ordered by `key` (ties by rank
+    /// here). A negative color means "in no subgroup": that rank gets a world of one. Queue pair
+    /// endpoints are exchanged over this communicator; each subgroup gets its own side channel
+    /// (for abort and health) at its first rank, whose address also goes over this
+    /// communicator. The result is independent of this one: either can be used or dropped first.
+    pub fn split_comm(&self, color: i32, key: i32) -> Result<Comm> {
+        let (n, r) = (self.size, self.rank);
+        let mut mine = [0u8; 8];
+        mine[..4].copy_from_slice(&color.to_le_bytes());
+        mine[4..].copy_from_slice(&key.to_le_bytes());
+        let mut all = vec![0u8; 8 * n];
+        crate::Communicator::all_gather(self, &mine, &mut all)?;
+        let entry = |q: usize| {
+            let e = &all[8 * q..8 * q + 8];
+            (
+                i32::from_le_bytes(e[..4].try_into().unwrap()),
+                i32::from_le_bytes(e[4..].try_into().unwrap()),
+            )
+        };
+        let mut members: Vec<usize> = if color < 0 {
+            vec![r]
+        } else {
+            (0..n).filter(|&q| entry(q).0 == color).collect()
+        };
+        members.sort_by_key(|&q| (entry(q).1, q));
+        let sub_rank = members
+            .iter()
+            .position(|&q| q == r)
+            .expect("a member of its own group");
+        let grouped = members.len() > 1;
+        // The subgroup's first rank listens for its side channel; everyone learns the address.
+        let my_ip = match &self.cfg.bind_addr {
+            Some(ip) => ip.clone(),
+            None => {
+                let a = self
+                    .lock()
+                    .link
+                    .as_ref()
+                    .map(|l| l.peer(r).addr)
+                    .unwrap_or_default();
+                if a.is_empty() {
+                    "127.0.0.1".into()
+                } else {
+                    a
+                }
+            }
+        };
+        let mut listener = None;
+        let mut field = [0u8; 64];
+        if grouped && sub_rank == 0 {
+            let l = std::net::TcpListener::bind((my_ip.as_str(), 0))
+                .map_err(|e| Error::Bootstrap(format!("split: cannot listen on {my_ip}: {e}")))?;
+            let text = l.local_addr()?.to_string();
+            field[..text.len()].copy_from_slice(text.as_bytes());
+            listener = Some(l);
+        }
+        let mut fields = vec![0u8; 64 * n];
+        crate::Communicator::all_gather(self, &field, &mut fields)?;
+        let lead = members[0];
+        let lead_addr = String::from_utf8_lossy(&fields[64 * lead..64 * lead + 64])
+            .trim_end_matches('\0')
+            .to_string();
+        let mut sub_cfg = self.cfg.clone();
+        sub_cfg.rank = sub_rank;
+        sub_cfg.world_size = members.len();
+        sub_cfg.coordinator = lead_addr;
+        // Cards over this communicator: every rank takes part, even one that joins no subgroup.
+        let exchange = |card: &[u8]| -> Result<Vec<Vec<u8>>> {
+            let mut lens = vec![0u8; 4 * n];
+            crate::Communicator::all_gather(self, &(card.len() as u32).to_le_bytes(), &mut lens)?;
+            let len_of =
+                |q: usize| u32::from_le_bytes(lens[4 * q..4 * q + 4].try_into().unwrap()) as usize;
+            let max = (0..n).map(len_of).max().unwrap_or(0);
+            let mut padded = card.to_vec();
+            padded.resize(max, 0);
+            let mut cards = vec![0u8; max * n];
+            crate::Communicator::all_gather(self, &padded, &mut cards)?;
+            Ok(members
+                .iter()
+                .map(|&q| cards[q * max..q * max + len_of(q)].to_vec())
+                .collect())
+        };
+        if !grouped {
+            exchange(&[])?;
+            let cfg = Config {
+                rank: 0,
+                world_size: 1,
+                ..sub_cfg
+            };
+            return Comm::new(&cfg);
+        }
+        let kind = self.cfg.transport;
+        let meet_cfg = sub_cfg.clone();
+        let link = transport::connect_with(&sub_cfg, kind, &mut |card| {
+            let cards = exchange(card)?;
+            let mut rv =
+                crate::transport::bootstrap::rendezvous_on(&meet_cfg, &[], listener.take())?;
+            rv.cards = cards;
+            Ok(rv)
+        })?;
+        Ok(Comm {
+            rank: sub_rank,
+            size: members.len(),
+            inner: Mutex::new(Inner {
+                link: Some(link),
+                scratch: Vec::new(),
+            }),
+            poisoned: Mutex::new(None),
+            algo: Mutex::new(self.algorithm()),
+            cfg: sub_cfg,
+        })
     }
 
     /// Chooses the all_reduce algorithm (every rank must choose the same).
@@ -135,7 +253,7 @@ impl Comm {
             .link
             .as_deref_mut()
             .expect("world of one handled by the caller");
-        let r = f(link, &mut inner.scratch);
+        let r = f(link, &mut inner.scratch).and_then(|v| link.finish().map(|_| v));
         if let Err(e) = &r {
             self.poison(e);
         }
@@ -222,6 +340,25 @@ impl Communicator for Comm {
             output.copy_from_slice(&scratch[r * m..(r + 1) * m]);
             Ok(())
         })
+    }
+
+    fn split(&self, color: i32, key: i32) -> Result<std::sync::Arc<dyn Communicator>> {
+        Ok(std::sync::Arc::new(self.split_comm(color, key)?))
+    }
+
+    fn broadcast(&self, root: usize, data: &mut [u8]) -> Result<()> {
+        check_root(root, self.size)?;
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.with_link(|l, _| bcast::broadcast(l, root, data))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        if self.size == 1 {
+            return self.check_usable();
+        }
+        self.with_link(|l, _| bcast::barrier(l))
     }
 
     /// Never blocks: while another thread runs an operation, reports what is known (that

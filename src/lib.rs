@@ -12,8 +12,10 @@ pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod group;
 pub mod launch;
 pub mod reduce;
+pub mod tensor;
 pub mod transport;
 pub mod verbs;
 
@@ -22,3 +24,5 @@ pub use comm::{Algo, Comm};
 pub use config::Config;
 pub use dtype::{AllReduce, DType};
 pub use error::{Error, Peer, Result};
+pub use group::Group;
+pub use tensor::{CommInfo, IdentityComm, ReduceOp, Tensor};

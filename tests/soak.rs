@@ -56,8 +56,13 @@ fn rdma_objects(kind: &str) -> usize {
 fn soak_body() {
     let (r, n) = rank_size();
     let coord = std::env::var("RDMACOMM_COORDINATOR").unwrap();
-    let (host, port) = coord.rsplit_once(':').unwrap();
-    let port: u16 = port.parse().unwrap();
+    let host = coord.rsplit_once(':').unwrap().0;
+    // Distinct free ports chosen by the parent (neighbours of one free port may be taken).
+    let ports: Vec<u16> = std::env::var("RXE_TEST_PORTS")
+        .unwrap()
+        .split(',')
+        .map(|p| p.parse().unwrap())
+        .collect();
 
     // Leaks: create, use and drop communicators; nothing may remain.
     let before = (
@@ -68,7 +73,7 @@ fn soak_body() {
         rdma_objects("pd"),
     );
     for i in 0..6u16 {
-        let cfg = Config::new(r, n, format!("{host}:{}", port + 1 + i)).unwrap();
+        let cfg = Config::new(r, n, format!("{host}:{}", ports[i as usize])).unwrap();
         let c = Comm::new(&cfg).unwrap();
         let mut d = fill(DType::i64, AllReduce::Sum, r, 100);
         c.all_reduce(AllReduce::Sum, DType::i64, &mut d).unwrap();
@@ -98,7 +103,7 @@ fn soak_body() {
     println!("rank {r}: no leaks: (fds, qp, mr, cq, pd) = {after:?} before and after");
 
     // Soak: the same random schedule on every rank (shared seed), every result checked.
-    let c = Comm::new(&Config::new(r, n, format!("{host}:{}", port + 20)).unwrap()).unwrap();
+    let c = Comm::new(&Config::new(r, n, format!("{host}:{}", ports[6])).unwrap()).unwrap();
     let ops: usize = std::env::var("RXE_TEST_SOAK_OPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -192,11 +197,25 @@ fn soak_mixed_collectives_and_no_leaks() {
     if !transport_ready() {
         return;
     }
+    let held: Vec<std::net::TcpListener> = (0..7)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let ports: Vec<String> = held
+        .iter()
+        .map(|l| l.local_addr().unwrap().port().to_string())
+        .collect();
+    drop(held);
+    let ports = ports.join(",");
     let res = spawn(
         NAME,
         4,
         Placement::Local,
-        &|_| vec![("RDMACOMM_TIMEOUT".into(), "60".into())],
+        &|_| {
+            vec![
+                ("RDMACOMM_TIMEOUT".into(), "60".into()),
+                ("RXE_TEST_PORTS".into(), ports.clone()),
+            ]
+        },
         Duration::from_secs(420),
     );
     assert_all_ok(&res);

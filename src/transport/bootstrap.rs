@@ -139,18 +139,35 @@ fn resolve(addr: &str) -> Result<std::net::SocketAddr> {
 
 /// Joins the group: exchanges `card` with every rank through rank 0.
 pub fn rendezvous(cfg: &Config, card: &[u8]) -> Result<Rendezvous> {
+    rendezvous_on(cfg, card, None)
+}
+
+/// [`rendezvous`], with rank 0 accepting on `listener` when given (already bound, so its
+/// address could be shared beforehand).
+pub fn rendezvous_on(
+    cfg: &Config,
+    card: &[u8],
+    listener: Option<TcpListener>,
+) -> Result<Rendezvous> {
     let deadline = Instant::now() + cfg.timeout;
     if cfg.rank == 0 {
-        coordinate(cfg, card, deadline)
+        coordinate(cfg, card, deadline, listener)
     } else {
         join(cfg, card, deadline)
     }
 }
 
-fn coordinate(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous> {
+fn coordinate(
+    cfg: &Config,
+    card: &[u8],
+    deadline: Instant,
+    listener: Option<TcpListener>,
+) -> Result<Rendezvous> {
     let n = cfg.world_size;
     let sa = resolve(&cfg.coordinator)?;
-    let listener = TcpListener::bind(sa).map_err(|e| {
+    let listener = match listener {
+        Some(l) => l,
+        None => TcpListener::bind(sa).map_err(|e| {
         Error::Bootstrap(format!(
             "rank 0 cannot listen on {sa}: {e}{}",
             if e.kind() == ErrorKind::AddrInUse {
@@ -159,7 +176,9 @@ fn coordinate(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous
                 ""
             }
         ))
-    })?;
+    })?,
+    };
+
     listener.set_nonblocking(true)?;
     let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let mut cards: Vec<Vec<u8>> = vec![Vec::new(); n];

@@ -31,6 +31,11 @@ pub trait Link {
     fn progress(&mut self, waiting_on: usize) -> Result<()>;
     /// Marks the start of an operation (resets the no-progress clock).
     fn begin(&mut self);
+    /// Completes everything posted so far before an operation returns (a transport whose posts
+    /// only queue data must push it out, or a peer would wait on a rank that has moved on).
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A transport a communicator can own: a [`Link`] that can also check its peers' health and say
@@ -85,9 +90,10 @@ impl Kind {
     }
 }
 
-/// Connects the transport `kind` names for `cfg` (every rank must resolve to the same one).
-pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
-    let use_rdma = match kind {
+/// Whether `kind` resolves to RDMA here (for `Auto`: a usable device with an ACTIVE port;
+/// otherwise says once on stderr why TCP is used).
+pub fn resolves_to_rdma(kind: Kind) -> bool {
+    match kind {
         Kind::Rdma => true,
         Kind::Tcp => false,
         Kind::Auto => {
@@ -104,10 +110,23 @@ pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
                 }
             }
         }
-    };
-    Ok(if use_rdma {
-        Box::new(rdma::RdmaTransport::connect(cfg)?)
+    }
+}
+
+/// Connects the transport `kind` names for `cfg` (every rank must resolve to the same one).
+pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
+    connect_with(cfg, kind, &mut |card| bootstrap::rendezvous(cfg, card))
+}
+
+/// [`connect`], meeting the other ranks through `meet`.
+pub fn connect_with(
+    cfg: &crate::Config,
+    kind: Kind,
+    meet: &mut dyn FnMut(&[u8]) -> Result<bootstrap::Rendezvous>,
+) -> Result<Box<dyn Transport>> {
+    Ok(if resolves_to_rdma(kind) {
+        Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)
     } else {
-        Box::new(tcp::TcpTransport::connect(cfg)?)
+        Box::new(tcp::TcpTransport::connect_with(cfg, meet)?)
     })
 }

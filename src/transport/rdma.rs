@@ -11,7 +11,9 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, rendezvous, Reader, SideChannel, TAG_RDMA};
+use crate::transport::bootstrap::{
+    check_tags, rendezvous, Reader, Rendezvous, SideChannel, TAG_RDMA,
+};
 use crate::transport::Link;
 use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer,
@@ -125,6 +127,15 @@ impl RdmaTransport {
     /// Opens the device, registers memory, creates one QP per peer, meets every rank through the
     /// bootstrap, and connects. Every rank of `cfg.world_size` must call this.
     pub fn connect(cfg: &Config) -> Result<Self> {
+        Self::connect_with(cfg, &mut |card| rendezvous(cfg, card))
+    }
+
+    /// [`Self::connect`], meeting the other ranks through `meet` (which exchanges cards and
+    /// returns the side channel), e.g. over a parent communicator for `split`.
+    pub fn connect_with(
+        cfg: &Config,
+        meet: &mut dyn FnMut(&[u8]) -> Result<Rendezvous>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
         let (ctx, sel) = verbs::open(&cfg.device)?;
@@ -165,7 +176,7 @@ impl RdmaTransport {
             card.extend_from_slice(&(e.mtu as u32).to_le_bytes());
             card.extend_from_slice(&e.gid);
         }
-        let rv = rendezvous(cfg, &card)?;
+        let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_RDMA)?;
         let mut side = rv.side;
         let policy = RetryPolicy::for_limit(cfg.timeout);

@@ -5,7 +5,9 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, rendezvous, Reader, SideChannel, TAG_TCP};
+use crate::transport::bootstrap::{
+    check_tags, rendezvous, Reader, Rendezvous, SideChannel, TAG_TCP,
+};
 use crate::transport::Link;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -54,6 +56,15 @@ impl TcpTransport {
     /// Meets every rank through the bootstrap and connects a TCP mesh (rank j connects to every
     /// rank i < j). Every rank of `cfg.world_size` must call this.
     pub fn connect(cfg: &Config) -> Result<Self> {
+        Self::connect_with(cfg, &mut |card| rendezvous(cfg, card))
+    }
+
+    /// [`Self::connect`], meeting the other ranks through `meet` (which exchanges cards and
+    /// returns the side channel), e.g. over a parent communicator for `split`.
+    pub fn connect_with(
+        cfg: &Config,
+        meet: &mut dyn FnMut(&[u8]) -> Result<Rendezvous>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
         let ip: std::net::IpAddr = match &cfg.bind_addr {
@@ -99,7 +110,7 @@ impl TcpTransport {
         card.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
         card.extend_from_slice(&(text.len() as u32).to_le_bytes());
         card.extend_from_slice(text.as_bytes());
-        let rv = rendezvous(cfg, &card)?;
+        let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_TCP)?;
         let mut side = rv.side;
         let mut addrs_data = Vec::with_capacity(n);
@@ -401,6 +412,8 @@ impl Link for TcpTransport {
         c.out_chunks.push_back(4 + data.len());
         self.last_progress = Instant::now();
         self.idle_since = None;
+        // Start sending at once (non-blocking); the rest goes out in progress() / finish().
+        self.pump()?;
         Ok(true)
     }
 
@@ -470,6 +483,10 @@ impl Link for TcpTransport {
     fn begin(&mut self) {
         self.last_progress = Instant::now();
         self.idle_since = None;
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.flush()
     }
 }
 

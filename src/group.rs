@@ -1,0 +1,96 @@
+//! [`Group`]: the typed, ergonomic front over a byte-level [`Communicator`].
+
+use crate::api::Communicator;
+use crate::comm::Comm;
+use crate::dtype::AllReduce;
+use crate::error::Result;
+use crate::tensor::Element;
+use std::sync::Arc;
+
+/// A group of ranks with typed collectives over any element type with a dtype:
+/// `group.all_reduce(&mut grads, AllReduce::Sum)`.
+#[derive(Clone)]
+pub struct Group {
+    comm: Arc<dyn Communicator>,
+}
+
+impl Group {
+    /// A group over any byte-level communicator.
+    pub fn new(comm: Arc<dyn Communicator>) -> Group {
+        Group { comm }
+    }
+
+    /// Joins the group described by the environment (see [`crate::Config::from_env`]): RDMA
+    /// where a device is usable, TCP otherwise.
+    pub fn from_env() -> Result<Group> {
+        Ok(Group::new(Arc::new(Comm::from_env()?)))
+    }
+
+    /// The underlying byte-level communicator.
+    pub fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// In-place reduction across ranks; every rank gets the same bits.
+    pub fn all_reduce<T: Element>(&self, data: &mut [T], op: AllReduce) -> Result<()> {
+        self.comm
+            .all_reduce(op, T::DTYPE, bytemuck::cast_slice_mut(data))
+    }
+
+    /// Every rank's `input`, concatenated in rank order into `output` (`size * input.len()`).
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.comm.all_gather(
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        )
+    }
+
+    /// Rank r's `output` is the sum of every rank's r-th chunk of `input` (`size * output.len()`).
+    pub fn sum_scatter<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.comm.sum_scatter(
+            T::DTYPE,
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        )
+    }
+
+    /// Rank `root`'s `data` on every rank.
+    pub fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<()> {
+        self.comm.broadcast(root, bytemuck::cast_slice_mut(data))
+    }
+
+    /// Blocks until every rank has reached it.
+    pub fn barrier(&self) -> Result<()> {
+        self.comm.barrier()
+    }
+
+    /// Sends `data` to rank `dst`.
+    pub fn send<T: Element>(&self, dst: usize, data: &[T]) -> Result<()> {
+        self.comm.send(dst, bytemuck::cast_slice(data))
+    }
+
+    /// Receives exactly `data.len()` elements from rank `src`.
+    pub fn recv<T: Element>(&self, src: usize, data: &mut [T]) -> Result<()> {
+        self.comm.recv(src, bytemuck::cast_slice_mut(data))
+    }
+
+    /// A subgroup of the ranks with the same `color`, ordered by `key`.
+    pub fn split(&self, color: i32, key: i32) -> Result<Group> {
+        Ok(Group::new(self.comm.split(color, key)?))
+    }
+
+    /// Whether every peer is still reachable (never blocks).
+    pub fn health(&self) -> Result<()> {
+        self.comm.health()
+    }
+}
