@@ -236,3 +236,46 @@ fn identity_comm_is_a_world_of_one() {
         .unwrap_err();
     assert!(e.to_string().contains("not a multiple"), "{e}");
 }
+
+fn bcast_body() {
+    let (r, n) = rank_size();
+    let g = Group::from_env().unwrap();
+    for root in 0..n {
+        for len in [0usize, 1, 4097, (1 << 20) + 3] {
+            let mut d: Vec<u8> = if r == root {
+                (0..len).map(|i| (i * 31 + root) as u8).collect()
+            } else {
+                vec![0; len]
+            };
+            g.broadcast(&mut d, root).unwrap();
+            assert!(
+                d.iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i * 31 + root) as u8),
+                "broadcast of {len} B from {root}"
+            );
+        }
+    }
+    println!("rank {r}: broadcast checks passed");
+}
+
+#[test]
+fn broadcast_chain_and_tree_five_ranks() {
+    const NAME: &str = "broadcast_chain_and_tree_five_ranks";
+    if is_child(NAME) {
+        return bcast_body();
+    }
+    if !transport_ready() {
+        return;
+    }
+    for algo in ["chain", "tree"] {
+        let res = spawn(
+            NAME,
+            5,
+            Placement::Local,
+            &|_| vec![("RDMACOMM_BCAST".into(), algo.into())],
+            Duration::from_secs(300),
+        );
+        assert_all_ok(&res);
+    }
+}

@@ -3,9 +3,9 @@
 //! Per rank under any launcher (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Open MPI, PMI, Slurm),
 //! or `--local N` to start N local ranks itself. Sizes from `-b` to `-e` by factor `-f`; `-n`
 //! timed iterations after `-w` warm-ups; `-c 1` checks every result against a reference;
-//! `-d` dtype, `-o` op, `--coll all_reduce|all_gather|sum_scatter|sendrecv`.
+//! `-d` dtype, `-o` op, `--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast`.
 //! busbw as nccl-tests: all_reduce algbw x 2(n-1)/n; all_gather, sum_scatter algbw x (n-1)/n;
-//! sendrecv algbw. Time is the slowest rank's mean per iteration.
+//! sendrecv and broadcast algbw. Time is the slowest rank's mean per iteration.
 
 use rdmacomm::{Algo, AllReduce, Comm, Communicator, DType};
 use std::time::Instant;
@@ -73,7 +73,7 @@ fn parse() -> Result<Opts, String> {
                 println!(
                     "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] \
                      [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
-                     [--coll all_reduce|all_gather|sum_scatter|sendrecv] [--algo ring|halving|doubling|auto]"
+                     [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast] [--algo ring|halving|doubling|auto]"
                 );
                 std::process::exit(0);
             }
@@ -81,7 +81,15 @@ fn parse() -> Result<Opts, String> {
         }
         i += 2;
     }
-    if !["all_reduce", "all_gather", "sum_scatter", "sendrecv"].contains(&o.coll.as_str()) {
+    if ![
+        "all_reduce",
+        "all_gather",
+        "sum_scatter",
+        "sendrecv",
+        "broadcast",
+    ]
+    .contains(&o.coll.as_str())
+    {
         return Err(format!("unknown --coll {:?}", o.coll));
     }
     if o.factor < 2 || o.iters == 0 || o.min > o.max {
@@ -198,6 +206,22 @@ fn run_once(
                     wrong += u64::from(
                         decode(o.dtype, e) != reference(AllReduce::Sum, n, r * per / s + j),
                     );
+                }
+            }
+        }
+        "broadcast" => {
+            let root = 0;
+            if check {
+                if r == root {
+                    fill(o.dtype, AllReduce::Sum, root, 0, &mut a[..bytes]);
+                } else {
+                    a[..bytes].fill(0);
+                }
+            }
+            c.broadcast(root, &mut a[..bytes])?;
+            if check {
+                for (i, e) in a[..bytes].chunks(s).enumerate() {
+                    wrong += u64::from(decode(o.dtype, e) != value(AllReduce::Sum, root, i));
                 }
             }
         }

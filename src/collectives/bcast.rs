@@ -1,4 +1,4 @@
-//! Broadcast (a pipelined chain from the root) and barrier (dissemination).
+//! Broadcast (a pipelined chain from the root, or a binomial tree) and barrier (dissemination).
 
 use crate::error::{Error, Result};
 use crate::transport::Link;
@@ -51,6 +51,29 @@ pub fn broadcast(link: &mut dyn Link, root: usize, data: &mut [u8]) -> Result<()
         if !did {
             link.progress(if got < pieces { prev } else { next })?;
         }
+    }
+    Ok(())
+}
+
+/// Broadcast of `data` from `root` down a binomial tree: ceil(log2 n) rounds; in round k the
+/// ranks that have the data (relative ranks below 2^k) send it whole to relative rank + 2^k.
+/// Fewer hops than the chain for small messages; each message crosses one link per round.
+pub fn broadcast_tree(link: &mut dyn Link, root: usize, data: &mut [u8]) -> Result<()> {
+    let (r, n) = (link.rank(), link.size());
+    let v = (r + n - root) % n;
+    let real = |x: usize| (x + root) % n;
+    // The round in which this rank receives: the highest set bit of v.
+    let mut k = 1;
+    if v > 0 {
+        let parent = v & !(1 << (usize::BITS - 1 - v.leading_zeros()));
+        crate::collectives::p2p::recv(link, real(parent), data)?;
+        k = 1 << (usize::BITS - v.leading_zeros());
+    }
+    while k < n {
+        if v + k < n {
+            crate::collectives::p2p::send(link, real(v + k), data)?;
+        }
+        k <<= 1;
     }
     Ok(())
 }
