@@ -1,6 +1,7 @@
 //! Broadcast (a pipelined chain from the root, or a binomial tree) and barrier (dissemination).
 
-use crate::error::{Error, Result};
+use crate::collectives::land;
+use crate::error::Result;
 use crate::transport::Link;
 
 /// Broadcast of `data` from `root`: ranks form a chain in rank order starting at the root; each
@@ -25,17 +26,7 @@ pub fn broadcast(link: &mut dyn Link, root: usize, data: &mut [u8]) -> Result<()
         let mut did = false;
         if got < pieces {
             let dst = &mut data[piece(got)];
-            let ok = link.try_take(prev, &mut |src: &[u8]| {
-                if src.len() != dst.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "broadcast: received {} bytes where {} were expected: do all ranks pass buffers of the same length?",
-                        src.len(),
-                        dst.len()
-                    )));
-                }
-                dst.copy_from_slice(src);
-                Ok(())
-            })?;
+            let ok = link.try_take(prev, &mut |src: &[u8]| land(dst, src, None, prev))?;
             if ok {
                 got += 1;
                 did = true;

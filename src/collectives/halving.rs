@@ -12,9 +12,10 @@
 //! - `all_reduce_doubling`: the latency path: log2(p) exchanges of the whole vector; partners
 //!   combine as op(lower group, higher group), so both compute the same bits.
 
+use crate::collectives::land;
 use crate::collectives::ring::chunks;
 use crate::dtype::{AllReduce, DType};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::reduce::reduce_unchecked;
 use crate::transport::Link;
 
@@ -56,20 +57,11 @@ fn exchange(
         if let Some(inp) = recv.as_deref_mut().filter(|_| ri < nr) {
             let len = inp.len();
             let dst = &mut inp[piece(ri, len)];
-            let got = link.try_take(peer, &mut |src: &[u8]| {
-                if src.len() != dst.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "received {} bytes from rank {peer} where {} were expected: do all ranks pass buffers of the same length?",
-                        src.len(),
-                        dst.len()
-                    )));
-                }
-                match into {
-                    Into::Copy => dst.copy_from_slice(src),
-                    Into::Reduce(op, dtype) => reduce_unchecked(op, dtype, dst, src),
-                }
-                Ok(())
-            })?;
+            let reduce = match into {
+                Into::Copy => None,
+                Into::Reduce(op, dtype) => Some((op, dtype)),
+            };
+            let got = link.try_take(peer, &mut |src: &[u8]| land(dst, src, reduce, peer))?;
             if got {
                 ri += 1;
                 did = true;

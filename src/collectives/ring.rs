@@ -6,9 +6,9 @@
 //! segments in flight as the link has slots. Each element's final value is computed on exactly
 //! one rank and copied to the others, so every rank ends with the same bits.
 
+use crate::collectives::land;
 use crate::dtype::{AllReduce, DType};
-use crate::error::{Error, Result};
-use crate::reduce::reduce_unchecked;
+use crate::error::Result;
 use crate::transport::Link;
 
 /// Byte range of each of `n` chunks of a buffer of `elems` elements of `esize` bytes: the first
@@ -77,20 +77,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
             let (off, len) = seg_range(chunk_at(s + 1), j);
             let dst = &mut buf[off..off + len];
             let reduce = if s < plan.reduce_steps { plan.op } else { None };
-            let got = link.try_take(left, &mut |src: &[u8]| {
-                if src.len() != dst.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "ring: received {} bytes where {} were expected: do all ranks pass buffers of the same length?",
-                        src.len(),
-                        dst.len()
-                    )));
-                }
-                match reduce {
-                    Some((op, dtype)) => reduce_unchecked(op, dtype, dst, src),
-                    None => dst.copy_from_slice(src),
-                }
-                Ok(())
-            })?;
+            let got = link.try_take(left, &mut |src: &[u8]| land(dst, src, reduce, left))?;
             if got {
                 recvd += 1;
                 did = true;

@@ -5,6 +5,7 @@
 pub mod bootstrap;
 pub mod rdma;
 pub mod tcp;
+pub mod watch;
 
 use crate::error::{Peer, Result};
 

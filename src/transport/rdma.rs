@@ -11,9 +11,8 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{
-    check_tags, rendezvous, Reader, Rendezvous, SideChannel, TAG_RDMA,
-};
+use crate::transport::bootstrap::{check_tags, rendezvous, Reader, Rendezvous, TAG_RDMA};
+use crate::transport::watch::Watch;
 use crate::transport::Link;
 use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer,
@@ -106,11 +105,11 @@ pub struct RdmaTransport {
     buf: RegisteredBuffer,
     _pd: Arc<ProtectionDomain>,
     _ctx: Arc<DeviceContext>,
-    side: SideChannel,
+    /// The side channel and the first failure.
+    watch: Watch,
     events: AsyncEvents,
     layout: Layout,
     rank: usize,
-    addrs: Vec<String>,
     timeout: Duration,
     last_progress: Instant,
     idle_polls: u32,
@@ -118,9 +117,6 @@ pub struct RdmaTransport {
     poll_mode: PollMode,
     device: String,
     port: u8,
-    /// The first fatal error (QP failure), kept to name the peer.
-    failed: Option<(usize, String)>,
-    last_side_poll: Instant,
 }
 
 impl RdmaTransport {
@@ -252,11 +248,10 @@ impl RdmaTransport {
             buf,
             _pd: pd,
             _ctx: ctx,
-            side,
+            watch: Watch::new(side, cfg.rank, rv.addrs),
             events,
             layout,
             rank: cfg.rank,
-            addrs: rv.addrs,
             timeout: cfg.timeout,
             last_progress: Instant::now(),
             idle_polls: 0,
@@ -264,8 +259,6 @@ impl RdmaTransport {
             poll_mode,
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
             port: sel.port,
-            failed: None,
-            last_side_poll: Instant::now(),
         })
     }
 
@@ -287,60 +280,18 @@ impl RdmaTransport {
         &self.device
     }
 
-    /// The side channel (barrier, health).
-    pub fn side(&mut self) -> &mut SideChannel {
-        &mut self.side
-    }
-
     fn state(&mut self, p: usize) -> &mut PeerState {
         self.peers[p].as_mut().expect("no link to self")
     }
 
-    /// Records the first failure, tells the group (side channel), and returns it as an error.
+    /// Records the first failure, tells the group, and returns it as an error.
     fn fail(&mut self, p: usize, reason: String) -> Error {
-        if self.failed.is_none() && p != self.rank {
-            // A broken link to p may be the echo of another rank's failure (p failed too and
-            // exited): give the side channel a moment to deliver the root cause first.
-            let until = Instant::now() + Duration::from_millis(250);
-            while self.side.failure().is_none() && Instant::now() < until {
-                self.side.poll();
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if let Some(f) = self.side.failure() {
-                self.failed = Some(f);
-            }
-        }
-        if self.failed.is_none() {
-            self.failed = Some((p, reason.clone()));
-            let told = format!(
-                "{reason} (reported by rank {} ({}))",
-                self.rank, self.addrs[self.rank]
-            );
-            self.side.abort(p, &told);
-        }
-        let (p, reason) = self.failed.clone().expect("just set");
-        Error::PeerFailed {
-            peer: self.peer(p),
-            reason,
-        }
+        self.watch.fail(p, reason)
     }
 
     /// Failures learned from the side channel (a peer's abort, a closed connection).
     fn check_side(&mut self) -> Result<()> {
-        self.last_side_poll = Instant::now();
-        self.side.poll();
-        if let Some((p, why)) = self.side.failure() {
-            if self.failed.is_none() {
-                self.failed = Some((p, why));
-            }
-        }
-        match &self.failed {
-            Some((p, why)) => Err(Error::PeerFailed {
-                peer: self.peer(*p),
-                reason: why.clone(),
-            }),
-            None => Ok(()),
-        }
+        self.watch.poll()
     }
 
     /// Whether every peer is still reachable, without blocking: the side channel, the device's
@@ -527,10 +478,7 @@ impl Link for RdmaTransport {
     }
 
     fn peer(&self, rank: usize) -> Peer {
-        Peer {
-            rank,
-            addr: self.addrs.get(rank).cloned().unwrap_or_default(),
-        }
+        self.watch.peer(rank)
     }
 
     fn max_chunk(&self) -> usize {
@@ -589,15 +537,7 @@ impl Link for RdmaTransport {
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
-        if let Some((p, why)) = &self.failed {
-            return Err(Error::PeerFailed {
-                peer: self.peer(*p),
-                reason: why.clone(),
-            });
-        }
-        if self.last_side_poll.elapsed() > Duration::from_millis(2) {
-            self.check_side()?;
-        }
+        self.watch.poll_sometimes()?;
         if self.poll()? {
             self.made_progress();
             return Ok(());
@@ -641,22 +581,12 @@ impl Link for RdmaTransport {
 
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
-        if std::thread::panicking() && self.failed.is_none() {
-            let why = format!(
-                "rank {} dropped its communicator while panicking",
-                self.rank
-            );
-            self.side.abort(self.rank, &why);
-            return;
-        }
-        if self.failed.is_none() {
-            // Let posted writes land, then wait (bounded) until every rank is done, so no QP is
-            // destroyed while a peer still writes to it; then say goodbye.
-            let t = self.timeout;
-            self.timeout = t.min(Duration::from_secs(10));
+        self.timeout = self.timeout.min(Duration::from_secs(10));
+        if self.watch.healthy() {
+            // Let posted writes land, then wait (bounded) at the close barrier, so no QP is
+            // destroyed while a peer still writes to it.
             let _ = self.flush();
-            let _ = self.side.close_barrier(self.timeout);
-            self.side.bye();
         }
+        self.watch.close(self.timeout);
     }
 }

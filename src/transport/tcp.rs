@@ -5,9 +5,8 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{
-    check_tags, rendezvous, Reader, Rendezvous, SideChannel, TAG_TCP,
-};
+use crate::transport::bootstrap::{check_tags, rendezvous, Reader, Rendezvous, TAG_TCP};
+use crate::transport::watch::Watch;
 use crate::transport::Link;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -31,17 +30,15 @@ struct Conn {
 /// The TCP transport of one rank.
 pub struct TcpTransport {
     conns: Vec<Option<Conn>>,
-    side: SideChannel,
+    /// The side channel and the first failure.
+    watch: Watch,
     rank: usize,
     n: usize,
-    addrs: Vec<String>,
     max_chunk: usize,
     max_queued: usize,
     timeout: Duration,
     last_progress: Instant,
-    last_side_poll: Instant,
     idle_since: Option<Instant>,
-    failed: Option<(usize, String)>,
 }
 
 fn tune(s: &TcpStream) -> Result<()> {
@@ -210,17 +207,14 @@ impl TcpTransport {
         }
         Ok(TcpTransport {
             conns,
-            side,
+            watch: Watch::new(side, cfg.rank, rv.addrs),
             rank: cfg.rank,
             n,
-            addrs: rv.addrs,
             max_chunk: cfg.slot_bytes,
             max_queued: cfg.slots,
             timeout: cfg.timeout,
             last_progress: Instant::now(),
-            last_side_poll: Instant::now(),
             idle_since: None,
-            failed: None,
         })
     }
 
@@ -229,49 +223,14 @@ impl TcpTransport {
         "TCP".into()
     }
 
+    /// Records the first failure, tells the group, and returns it as an error.
     fn fail(&mut self, p: usize, reason: String) -> Error {
-        if self.failed.is_none() && p != self.rank {
-            // A broken link to p may be the echo of another rank's failure (p failed too and
-            // exited): give the side channel a moment to deliver the root cause first.
-            let until = Instant::now() + Duration::from_millis(250);
-            while self.side.failure().is_none() && Instant::now() < until {
-                self.side.poll();
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if let Some(f) = self.side.failure() {
-                self.failed = Some(f);
-            }
-        }
-        if self.failed.is_none() {
-            self.failed = Some((p, reason.clone()));
-            let told = format!(
-                "{reason} (reported by rank {} ({}))",
-                self.rank, self.addrs[self.rank]
-            );
-            self.side.abort(p, &told);
-        }
-        let (p, reason) = self.failed.clone().expect("just set");
-        Error::PeerFailed {
-            peer: self.peer(p),
-            reason,
-        }
+        self.watch.fail(p, reason)
     }
 
+    /// Failures learned from the side channel (a peer's abort, a closed connection).
     fn check_side(&mut self) -> Result<()> {
-        self.last_side_poll = Instant::now();
-        self.side.poll();
-        if let Some(f) = self.side.failure() {
-            if self.failed.is_none() {
-                self.failed = Some(f);
-            }
-        }
-        match &self.failed {
-            Some((p, why)) => Err(Error::PeerFailed {
-                peer: self.peer(*p),
-                reason: why.clone(),
-            }),
-            None => Ok(()),
-        }
+        self.watch.poll()
     }
 
     /// Moves bytes: writes what is queued, reads what has arrived. Returns whether any moved.
@@ -391,10 +350,7 @@ impl Link for TcpTransport {
     }
 
     fn peer(&self, rank: usize) -> Peer {
-        Peer {
-            rank,
-            addr: self.addrs.get(rank).cloned().unwrap_or_default(),
-        }
+        self.watch.peer(rank)
     }
 
     fn max_chunk(&self) -> usize {
@@ -440,15 +396,7 @@ impl Link for TcpTransport {
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
-        if let Some((p, why)) = &self.failed {
-            return Err(Error::PeerFailed {
-                peer: self.peer(*p),
-                reason: why.clone(),
-            });
-        }
-        if self.last_side_poll.elapsed() > Duration::from_millis(2) {
-            self.check_side()?;
-        }
+        self.watch.poll_sometimes()?;
         if self.pump()? {
             self.last_progress = Instant::now();
             self.idle_since = None;
@@ -492,19 +440,10 @@ impl Link for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        if std::thread::panicking() && self.failed.is_none() {
-            let why = format!(
-                "rank {} dropped its communicator while panicking",
-                self.rank
-            );
-            self.side.abort(self.rank, &why);
-            return;
-        }
-        if self.failed.is_none() {
-            self.timeout = self.timeout.min(Duration::from_secs(10));
+        self.timeout = self.timeout.min(Duration::from_secs(10));
+        if self.watch.healthy() {
             let _ = self.flush();
-            let _ = self.side.close_barrier(self.timeout);
-            self.side.bye();
         }
+        self.watch.close(self.timeout);
     }
 }

@@ -1,0 +1,109 @@
+//! What both transports do about failures: keep the first one, tell the group over the side
+//! channel, learn of others' from it, and decide whom to blame.
+
+use crate::error::{Error, Peer, Result};
+use crate::transport::bootstrap::SideChannel;
+use std::time::{Duration, Instant};
+
+/// The side channel and the first failure of one rank's transport.
+pub struct Watch {
+    side: SideChannel,
+    failed: Option<(usize, String)>,
+    rank: usize,
+    addrs: Vec<String>,
+    last_poll: Instant,
+}
+
+impl Watch {
+    /// Watches through `side` for `rank`, whose group's host addresses are `addrs`.
+    pub fn new(side: SideChannel, rank: usize, addrs: Vec<String>) -> Watch {
+        Watch {
+            side,
+            failed: None,
+            rank,
+            addrs,
+            last_poll: Instant::now(),
+        }
+    }
+
+    /// A rank's identity, for errors.
+    pub fn peer(&self, rank: usize) -> Peer {
+        Peer {
+            rank,
+            addr: self.addrs.get(rank).cloned().unwrap_or_default(),
+        }
+    }
+
+    /// The recorded failure as an error, if any.
+    pub fn error(&self) -> Option<Error> {
+        self.failed.as_ref().map(|(p, why)| Error::PeerFailed {
+            peer: self.peer(*p),
+            reason: why.clone(),
+        })
+    }
+
+    /// Records the first failure (blaming `p`), tells the group, and returns the error. A broken
+    /// link to p may be the echo of another rank's failure (p failed too and exited), so the side
+    /// channel gets a moment (250 ms at most) to deliver the root cause first.
+    pub fn fail(&mut self, p: usize, reason: String) -> Error {
+        if self.failed.is_none() && p != self.rank {
+            let until = Instant::now() + Duration::from_millis(250);
+            while self.side.failure().is_none() && Instant::now() < until {
+                self.side.poll();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            self.failed = self.side.failure();
+        }
+        if self.failed.is_none() {
+            let told = format!(
+                "{reason} (reported by rank {} ({}))",
+                self.rank, self.addrs[self.rank]
+            );
+            self.side.abort(p, &told);
+            self.failed = Some((p, reason));
+        }
+        self.error().expect("just recorded")
+    }
+
+    /// Reads the side channel now: a peer's abort or a closed connection becomes our failure.
+    pub fn poll(&mut self) -> Result<()> {
+        self.last_poll = Instant::now();
+        self.side.poll();
+        if self.failed.is_none() {
+            self.failed = self.side.failure();
+        }
+        self.error().map_or(Ok(()), Err)
+    }
+
+    /// [`Watch::poll`] if the side channel was last read more than 2 ms ago.
+    pub fn poll_sometimes(&mut self) -> Result<()> {
+        if self.last_poll.elapsed() > Duration::from_millis(2) {
+            self.poll()?;
+        }
+        self.error().map_or(Ok(()), Err)
+    }
+
+    /// Teardown, after the caller flushed its sends: while panicking, tell the group at once;
+    /// if healthy, wait (bounded) at the close barrier so no rank tears down while a peer still
+    /// writes to it, then say goodbye. Returns whether the caller may still flush first.
+    pub fn close(&mut self, limit: Duration) {
+        if self.failed.is_some() {
+            return;
+        }
+        if std::thread::panicking() {
+            let why = format!(
+                "rank {} dropped its communicator while panicking",
+                self.rank
+            );
+            self.side.abort(self.rank, &why);
+            return;
+        }
+        let _ = self.side.close_barrier(limit);
+        self.side.bye();
+    }
+
+    /// Whether nothing has failed and the thread is not unwinding (then sends are flushed).
+    pub fn healthy(&self) -> bool {
+        self.failed.is_none() && !std::thread::panicking()
+    }
+}
