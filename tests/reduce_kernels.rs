@@ -2,20 +2,11 @@
 //! lengths around the vector widths, unaligned slices, NaN/Inf, integer wrapping, and both the
 //! baseline and the run-time-selected SIMD copy.
 
+mod common;
+use common::Rng;
 use half::{bf16, f16};
 use rdmacomm::reduce::{reduce_into, reference as r};
 use rdmacomm::{AllReduce, DType};
-
-/// A deterministic pseudo-random stream.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
 
 const SPECIAL_F64: [f64; 8] = [
     f64::NAN,

@@ -8,19 +8,6 @@ use common::*;
 use rdmacomm::{AllReduce, Comm, Communicator, Config, DType};
 use std::time::{Duration, Instant};
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> usize {
-        (self.next() % n) as usize
-    }
-}
-
 fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
         .map(|d| d.count())

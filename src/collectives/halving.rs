@@ -13,20 +13,11 @@
 //!   combine as op(lower group, higher group), so both compute the same bits.
 
 use crate::collectives::land;
-use crate::collectives::ring::chunks;
+use crate::collectives::ring::{chunks, equal_chunks};
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
 use crate::reduce::reduce_unchecked;
 use crate::transport::Link;
-
-/// What to do with a received range.
-#[derive(Clone, Copy)]
-enum Into {
-    /// Copy it into the buffer.
-    Copy,
-    /// Reduce it into the buffer: buf = op(buf, received).
-    Reduce(AllReduce, DType),
-}
 
 /// Sends `send` to `peer` while receiving `recv.len()` bytes from it into `recv`, pipelined over
 /// the link's slots. `None` skips a direction; an empty slice still sends/takes one empty chunk.
@@ -35,7 +26,7 @@ fn exchange(
     peer: usize,
     send: Option<&[u8]>,
     mut recv: Option<&mut [u8]>,
-    into: Into,
+    reduce: Option<(AllReduce, DType)>,
     esize: usize,
 ) -> Result<()> {
     let seg = (link.max_chunk() / esize * esize).max(esize);
@@ -57,10 +48,6 @@ fn exchange(
         if let Some(inp) = recv.as_deref_mut().filter(|_| ri < nr) {
             let len = inp.len();
             let dst = &mut inp[piece(ri, len)];
-            let reduce = match into {
-                Into::Copy => None,
-                Into::Reduce(op, dtype) => Some((op, dtype)),
-            };
             let got = link.try_take(peer, &mut |src: &[u8]| land(dst, src, reduce, peer))?;
             if got {
                 ri += 1;
@@ -128,12 +115,12 @@ fn fold_in(
         return Ok(());
     }
     if r % 2 == 0 {
-        exchange(link, r + 1, Some(data), None, Into::Copy, dtype.size())
+        exchange(link, r + 1, Some(data), None, None, dtype.size())
     } else {
         // op(lower rank's data, ours) in rank order: receive into scratch, then combine.
         scratch.clear();
         scratch.resize(data.len(), 0);
-        exchange(link, r - 1, None, Some(scratch), Into::Copy, dtype.size())?;
+        exchange(link, r - 1, None, Some(scratch), None, dtype.size())?;
         reduce_unchecked(op, dtype, scratch, data);
         data.copy_from_slice(scratch);
         Ok(())
@@ -147,9 +134,9 @@ fn fold_out(link: &mut dyn Link, f: &Fold, data: &mut [u8], esize: usize) -> Res
         return Ok(());
     }
     if r % 2 == 1 {
-        exchange(link, r - 1, Some(data), None, Into::Copy, esize)
+        exchange(link, r - 1, Some(data), None, None, esize)
     } else {
-        exchange(link, r + 1, None, Some(data), Into::Copy, esize)
+        exchange(link, r + 1, None, Some(data), None, esize)
     }
 }
 
@@ -191,7 +178,7 @@ fn halve(
             partner,
             Some(out),
             Some(inp),
-            Into::Reduce(op, dtype),
+            Some((op, dtype)),
             dtype.size(),
         )?;
         (lo, hi) = keep;
@@ -221,7 +208,7 @@ fn double(
             (lo - width, lo)
         };
         let (out, inp) = split(data, span(blocks, lo, hi), span(blocks, plo, phi));
-        exchange(link, partner, Some(out), Some(inp), Into::Copy, esize)?;
+        exchange(link, partner, Some(out), Some(inp), None, esize)?;
         (lo, hi) = (lo.min(plo), hi.max(phi));
         mask *= 2;
     }
@@ -239,8 +226,7 @@ pub fn reduce_scatter_halving(
     let n = link.size();
     debug_assert!(n.is_power_of_two());
     let f = Fold::new(link.rank(), n);
-    let each = data.len() / n;
-    let blocks: Vec<(usize, usize)> = (0..n).map(|c| (c * each, each)).collect();
+    let blocks = equal_chunks(data.len(), n);
     let me = link.rank();
     halve(link, &f, me, data, &blocks, op, dtype).map(|_| ())
 }
@@ -281,14 +267,7 @@ pub fn all_reduce_doubling(
             let partner = f.real(me ^ mask);
             scratch.clear();
             scratch.resize(data.len(), 0);
-            exchange(
-                link,
-                partner,
-                Some(data),
-                Some(scratch),
-                Into::Copy,
-                dtype.size(),
-            )?;
+            exchange(link, partner, Some(data), Some(scratch), None, dtype.size())?;
             if me & mask == 0 {
                 reduce_unchecked(op, dtype, data, scratch);
             } else {

@@ -26,6 +26,12 @@ pub fn chunks(elems: usize, n: usize, esize: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Byte ranges of `n` equal chunks of a buffer of `len` bytes.
+pub fn equal_chunks(len: usize, n: usize) -> Vec<(usize, usize)> {
+    let each = len / n;
+    (0..n).map(|c| (c * each, each)).collect()
+}
+
 /// What a ring run does with received segments.
 struct Plan<'a> {
     /// Chunk ranges of the buffer.
@@ -115,8 +121,7 @@ pub fn reduce_scatter(
     data: &mut [u8],
 ) -> Result<()> {
     let n = link.size();
-    let each = data.len() / n;
-    let chunks: Vec<(usize, usize)> = (0..n).map(|c| (c * each, each)).collect();
+    let chunks = equal_chunks(data.len(), n);
     // Step s sends chunk rank-1-s; after n-1 steps this rank holds its own chunk, complete.
     let plan = Plan {
         chunks: &chunks,
@@ -132,8 +137,7 @@ pub fn reduce_scatter(
 /// All-gather in place: `data` has `size` equal chunks, chunk `rank` filled by the caller.
 pub fn all_gather(link: &mut dyn Link, data: &mut [u8]) -> Result<()> {
     let n = link.size();
-    let each = data.len() / n;
-    let chunks: Vec<(usize, usize)> = (0..n).map(|c| (c * each, each)).collect();
+    let chunks = equal_chunks(data.len(), n);
     let plan = Plan {
         chunks: &chunks,
         reduce_steps: 0,

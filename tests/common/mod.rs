@@ -8,6 +8,24 @@ use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A deterministic xorshift stream (the same on every rank for a shared seed).
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number in `0..n`.
+    pub fn below(&mut self, n: u64) -> usize {
+        (self.next() % n) as usize
+    }
+}
+
 /// Env var that marks a child rank process and names the test it runs.
 pub const CHILD: &str = "RDMACOMM_TEST_CHILD";
 
