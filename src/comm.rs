@@ -29,7 +29,8 @@ pub enum Algo {
     Auto,
 }
 
-/// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`].
+/// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
+/// the link says otherwise ([`Link::doubling_max`]).
 pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
 
 impl Algo {
@@ -56,12 +57,13 @@ impl Algo {
         }
     }
 
-    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks: recursive doubling up to
-    /// [`DOUBLING_MAX_BYTES`], then halving-doubling, and the ring for non-powers of two
-    /// (whose fold doubles the traffic of two ranks).
-    pub fn choose(self, n: usize, bytes: usize) -> Algo {
+    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
+    /// recursive doubling wins up to `doubling_max` bytes ([`Link::doubling_max`]): doubling up
+    /// to there, then halving-doubling, and the ring for non-powers of two (whose fold doubles
+    /// the traffic of two ranks).
+    pub fn choose(self, n: usize, bytes: usize, doubling_max: usize) -> Algo {
         match self {
-            Algo::Auto if bytes <= DOUBLING_MAX_BYTES => Algo::Doubling,
+            Algo::Auto if bytes <= doubling_max => Algo::Doubling,
             Algo::Auto if n.is_power_of_two() => Algo::Halving,
             Algo::Auto => Algo::Ring,
             a => a,
@@ -289,12 +291,14 @@ impl Communicator for Comm {
         if self.size == 1 {
             return self.check_usable();
         }
-        let algo = self.algorithm().choose(self.size, data.len());
-        self.with_link(|l, scratch| match algo {
-            Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, data, scratch),
-            Algo::Halving => halving::all_reduce_halving(l, op, dtype, data, scratch),
-            _ => ring::all_reduce(l, op, dtype, data),
-        })
+        let algo = self.algorithm();
+        self.with_link(
+            |l, scratch| match algo.choose(l.size(), data.len(), l.doubling_max()) {
+                Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, data, scratch),
+                Algo::Halving => halving::all_reduce_halving(l, op, dtype, data, scratch),
+                _ => ring::all_reduce(l, op, dtype, data),
+            },
+        )
     }
 
     fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {

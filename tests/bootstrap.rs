@@ -89,6 +89,37 @@ fn world_size_mismatch_is_refused() {
 }
 
 #[test]
+fn tcp_chunk_mismatch_is_refused() {
+    if is_child("tcp_chunk_mismatch_is_refused") {
+        return join_body();
+    }
+    let r = spawn(
+        "tcp_chunk_mismatch_is_refused",
+        2,
+        Placement::Local,
+        &|rank| {
+            let mut v = short();
+            v.push(("RDMACOMM_TRANSPORT".into(), "tcp".into()));
+            if rank == 1 {
+                v.push(("RDMACOMM_TCP_CHUNK".into(), "131072".into()));
+            }
+            v
+        },
+        Duration::from_secs(60),
+    );
+    for x in &r {
+        assert_eq!(x.code, Some(3), "rank {}: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("RDMACOMM_TCP_CHUNK=")
+                && x.output.contains("set it alike everywhere"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+}
+
+#[test]
 fn duplicated_rank_is_refused() {
     if is_child("duplicated_rank_is_refused") {
         return join_body();
@@ -156,9 +187,9 @@ fn coordinator_port_in_use_is_named() {
 // ---- configuration from the environment (host-only: no device needed) ----
 
 fn with_env(vars: &[(&str, &str)], f: impl FnOnce()) {
-    // Tests in this binary run in one process: serialize environment edits.
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // Tests in this binary run in one process: no child is spawned while the environment is
+    // edited (see ENV_LOCK).
+    let _g = ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let keys = [
         "RDMACOMM_RANK",
         "RDMACOMM_WORLD_SIZE",
@@ -174,6 +205,7 @@ fn with_env(vars: &[(&str, &str)], f: impl FnOnce()) {
         "MASTER_PORT",
         "RDMACOMM_COORDINATOR",
         "RDMACOMM_TIMEOUT",
+        "RDMACOMM_TCP_CHUNK",
     ];
     let saved: Vec<_> = keys.iter().map(|k| (k, std::env::var(k).ok())).collect();
     for k in keys {
@@ -267,6 +299,13 @@ fn bad_configuration_says_what_to_fix() {
     with_env(&[("RANK", "0")], || {
         let e = Config::from_env().unwrap_err().to_string();
         assert!(e.contains("RANK is set but WORLD_SIZE is not"), "{e}");
+    });
+    with_env(&[("RDMACOMM_TCP_CHUNK", "100")], || {
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(
+            e.contains("RDMACOMM_TCP_CHUNK=100: must be a multiple of 64 between 4096 and 16 MiB"),
+            "{e}"
+        );
     });
     with_env(&[("RDMACOMM_TIMEOUT", "soon")], || {
         let e = Config::from_env().unwrap_err().to_string();

@@ -49,6 +49,9 @@ fn body() {
                 if big {
                     lens.push(big_elems(dtype));
                 }
+                if algo == Algo::Doubling && matches!(dtype, DType::f32 | DType::bf16) {
+                    lens.push(300_001); // many segments, the last one short
+                }
                 for &elems in &lens {
                     let mut data = fill(dtype, op, r, elems);
                     c.all_reduce(op, dtype, &mut data)
@@ -64,6 +67,30 @@ fn body() {
                     same_everywhere(&c, &what, &data);
                 }
             }
+        }
+    }
+    // Operand order: under Min, op(+0, -0) and op(-0, +0) differ in sign; under Sum, two NaNs
+    // yield the payload of one of them. Ranks that combined in different orders would end with
+    // different bits, so every algorithm must combine alike everywhere.
+    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling] {
+        c.set_algorithm(algo);
+        for elems in [7usize, 300_001] {
+            let zero = |i: usize| if (r + i) % 2 == 0 { 0.0f32 } else { -0.0 };
+            let mut z: Vec<u8> = (0..elems).flat_map(|i| zero(i).to_le_bytes()).collect();
+            c.all_reduce(AllReduce::Min, DType::f32, &mut z).unwrap();
+            let vals = z
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()));
+            assert!(vals.into_iter().all(|v| v == 0.0), "{algo:?} min of zeros");
+            same_everywhere(&c, &format!("{algo:?} min of signed zeros x{elems}"), &z);
+            let nan = |i: usize| f32::from_bits(0x7fc0_0000 | ((r * 7919 + i) as u32 & 0x3f_ffff));
+            let mut q: Vec<u8> = (0..elems).flat_map(|i| nan(i).to_le_bytes()).collect();
+            c.all_reduce(AllReduce::Sum, DType::f32, &mut q).unwrap();
+            let vals = q
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()));
+            assert!(vals.into_iter().all(f32::is_nan), "{algo:?} sum of NaNs");
+            same_everywhere(&c, &format!("{algo:?} sum of NaN payloads x{elems}"), &q);
         }
     }
     c.set_algorithm(Algo::Auto);

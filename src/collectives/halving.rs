@@ -265,17 +265,65 @@ pub fn all_reduce_doubling(
         let mut mask = 1;
         while mask < f.p {
             let partner = f.real(me ^ mask);
-            scratch.clear();
-            scratch.resize(data.len(), 0);
-            exchange(link, partner, Some(data), Some(scratch), None, dtype.size())?;
-            if me & mask == 0 {
-                reduce_unchecked(op, dtype, data, scratch);
-            } else {
-                reduce_unchecked(op, dtype, scratch, data);
-                data.copy_from_slice(scratch);
-            }
+            exchange_reduce(link, partner, data, op, dtype, me & mask != 0, scratch)?;
             mask *= 2;
         }
     }
     fold_out(link, &f, data, dtype.size())
+}
+
+/// Sends `data` to `peer` while reducing what `peer` sends into it, segment by segment as it
+/// arrives (no staging of the whole vector). Both partners compute op(lower, upper): the lower
+/// one reduces in place, the upper one (`upper`) swaps operands through `tmp` (one segment).
+/// A segment is overwritten only after it was posted.
+fn exchange_reduce(
+    link: &mut dyn Link,
+    peer: usize,
+    data: &mut [u8],
+    op: AllReduce,
+    dtype: DType,
+    upper: bool,
+    tmp: &mut Vec<u8>,
+) -> Result<()> {
+    let esize = dtype.size();
+    let seg = (link.max_chunk() / esize * esize).max(esize);
+    let len = data.len();
+    let pieces = len.div_ceil(seg).max(1);
+    let piece = |i: usize| (i * seg).min(len)..((i + 1) * seg).min(len);
+    if upper {
+        tmp.clear();
+        tmp.resize(seg.min(len), 0);
+    }
+    let (mut si, mut ri) = (0, 0);
+    link.begin();
+    while si < pieces || ri < pieces {
+        let mut did = false;
+        while si < pieces {
+            if !link.try_post(peer, &data[piece(si)])? {
+                break;
+            }
+            si += 1;
+            did = true;
+        }
+        if ri < si {
+            let dst = &mut data[piece(ri)];
+            let got = link.try_take(peer, &mut |src: &[u8]| {
+                if !upper {
+                    return land(dst, src, Some((op, dtype)), peer);
+                }
+                land(&mut tmp[..dst.len()], dst, None, peer)?;
+                land(dst, src, None, peer)?;
+                reduce_unchecked(op, dtype, dst, &tmp[..dst.len()]);
+                Ok(())
+            })?;
+            if got {
+                ri += 1;
+                did = true;
+            }
+        }
+        if !did {
+            link.progress(peer)?;
+        }
+    }
+    Ok(())
 }

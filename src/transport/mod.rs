@@ -3,6 +3,7 @@
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
 pub mod bootstrap;
+pub mod pacer;
 pub mod rdma;
 pub mod tcp;
 pub mod watch;
@@ -23,6 +24,11 @@ pub trait Link {
     fn peer(&self, rank: usize) -> Peer;
     /// The largest chunk one post can carry.
     fn max_chunk(&self) -> usize;
+    /// The largest all_reduce (bytes) that `Algo::Auto` runs as recursive doubling over this
+    /// link, where one exchange of the whole vector beats halving-doubling's two.
+    fn doubling_max(&self) -> usize {
+        crate::comm::DOUBLING_MAX_BYTES
+    }
     /// Posts `data` (at most `max_chunk` bytes) to `peer` if a slot is free; `Ok(false)` if not.
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool>;
     /// If the next chunk from `peer` has arrived, hands it to `f` and frees its slot.

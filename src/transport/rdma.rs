@@ -12,6 +12,7 @@
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{check_tags, rendezvous, Reader, Rendezvous, TAG_RDMA};
+use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
 use crate::verbs::{
@@ -25,6 +26,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Idle time spent spinning, then yielding, before napping.
+const SPIN: Duration = Duration::from_micros(100);
+const YIELD: Duration = Duration::from_millis(2);
 const KIND_DATA: u64 = 0;
 const KIND_CREDIT: u64 = 1;
 const KIND_RECV: u64 = 2;
@@ -89,15 +93,6 @@ impl Layout {
     }
 }
 
-/// Idle-polling policy: spin, then yield, then sleep briefly.
-#[derive(Debug, Clone, Copy)]
-pub enum PollMode {
-    /// Spin for a while, then yield, then sleep in short naps (default).
-    Adaptive,
-    /// Never sleep (lowest latency, burns a core while waiting).
-    Spin,
-}
-
 /// The RDMA transport of one rank. Field order is drop order: QPs before the CQ and the buffer.
 pub struct RdmaTransport {
     peers: Vec<Option<PeerState>>,
@@ -111,10 +106,8 @@ pub struct RdmaTransport {
     layout: Layout,
     rank: usize,
     timeout: Duration,
-    last_progress: Instant,
-    idle_polls: u32,
-    idle_since: Instant,
-    poll_mode: PollMode,
+    /// How waits spin, yield and nap, and when they time out.
+    pacer: Pacer,
     device: String,
     port: u8,
 }
@@ -238,9 +231,15 @@ impl RdmaTransport {
         side.barrier()?;
         side.set_async()?;
         let events = AsyncEvents::new(&ctx)?;
-        let poll_mode = match std::env::var("RDMACOMM_POLL").as_deref() {
-            Ok("spin") => PollMode::Spin,
-            _ => PollMode::Adaptive,
+        // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
+        // than cores), yield up to 2 ms, then nap 50 us at a time: no core burnt on a long
+        // wait. RDMACOMM_POLL=spin never stops spinning.
+        let pacer = match std::env::var("RDMACOMM_POLL").as_deref() {
+            Ok("spin") => Pacer::new(cfg.timeout, Duration::MAX, Duration::MAX),
+            _ if oversubscribed(&rv.addrs, cfg.rank) => {
+                Pacer::new(cfg.timeout, Duration::ZERO, YIELD)
+            }
+            _ => Pacer::new(cfg.timeout, SPIN, YIELD),
         };
         Ok(RdmaTransport {
             peers,
@@ -253,10 +252,7 @@ impl RdmaTransport {
             layout,
             rank: cfg.rank,
             timeout: cfg.timeout,
-            last_progress: Instant::now(),
-            idle_polls: 0,
-            idle_since: Instant::now(),
-            poll_mode,
+            pacer,
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
             port: sel.port,
         })
@@ -264,8 +260,7 @@ impl RdmaTransport {
 
     /// Something moved: reset the no-progress clock and the idle streak.
     fn made_progress(&mut self) {
-        self.last_progress = Instant::now();
-        self.idle_polls = 0;
+        self.pacer.progress();
     }
 
     /// Whether our port is ACTIVE (queried from the device).
@@ -542,46 +537,32 @@ impl Link for RdmaTransport {
             self.made_progress();
             return Ok(());
         }
-        self.idle_polls = self.idle_polls.saturating_add(1);
-        if self.last_progress.elapsed() > self.timeout {
-            let why = format!("no progress for {:?} waiting on it", self.timeout);
-            let _ = self.fail(waiting_on, why);
-            return Err(Error::Timeout {
-                peer: self.peer(waiting_on),
-                what: "RDMA transfer made no progress".into(),
-                after: self.timeout,
-            });
-        }
-        match self.poll_mode {
-            PollMode::Spin => std::hint::spin_loop(),
-            PollMode::Adaptive => {
-                // Spin for the first 100 us of idleness (a round trip), yield up to 2 ms, then
-                // nap 50 us at a time: no core burnt on a long wait.
-                if self.idle_polls == 1 {
-                    self.idle_since = Instant::now();
-                }
-                let idle = self.idle_since.elapsed();
-                if idle < Duration::from_micros(100) {
-                    std::hint::spin_loop();
-                } else if idle < Duration::from_millis(2) {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
+        match self.pacer.idle() {
+            Wait::Spin => std::hint::spin_loop(),
+            Wait::Yield => std::thread::yield_now(),
+            Wait::BackOff => std::thread::sleep(Duration::from_micros(50)),
+            Wait::Expired => {
+                let why = format!("no progress for {:?} waiting on it", self.timeout);
+                let _ = self.fail(waiting_on, why);
+                return Err(Error::Timeout {
+                    peer: self.peer(waiting_on),
+                    what: "RDMA transfer made no progress".into(),
+                    after: self.timeout,
+                });
             }
         }
         Ok(())
     }
 
     fn begin(&mut self) {
-        self.made_progress();
-        self.idle_polls = 0;
+        self.pacer.begin();
     }
 }
 
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
         self.timeout = self.timeout.min(Duration::from_secs(10));
+        self.pacer.set_timeout(self.timeout);
         if self.watch.healthy() {
             // Let posted writes land, then wait (bounded) at the close barrier, so no QP is
             // destroyed while a peer still writes to it.

@@ -112,6 +112,10 @@ pub enum Placement {
     Hosts,
 }
 
+/// Held while a test edits this process's environment and while children are spawned (they
+/// inherit it), so tests running in parallel threads never pass each other's edits on.
+pub static ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs test `name` as `n` ranks; `env(rank)` adds variables. Kills all after `limit`.
 pub fn spawn(
     name: &str,
@@ -157,6 +161,7 @@ pub fn spawn(
         for (k, v) in env(r) {
             c.env(k, v);
         }
+        let _env = ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         children.push(c.spawn().expect("spawn rank"));
     }
     let deadline = Instant::now() + limit;

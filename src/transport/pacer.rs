@@ -1,0 +1,173 @@
+//! How a transport waits: spin, then yield the core, then back off (a nap, or blocking in
+//! `poll(2)`), and when a wait has gone on for the timeout without progress.
+//!
+//! The clock is read sparingly: not at all in the first [`CLOCK_EVERY`] idle polls of a wait,
+//! then once every [`CLOCK_EVERY`] polls (every poll once backing off). Where the clocksource
+//! traps (HPET under an emulated CPU, as in the soft-RoCE VM), one clock read costs microseconds,
+//! and reading it on every poll took a visible share of a small operation's time.
+
+use std::time::{Duration, Instant};
+
+/// Idle polls between clock reads while spinning or yielding.
+pub const CLOCK_EVERY: u32 = 32;
+
+/// Whether more ranks share this rank's host (same address in `addrs`) than it has cores: then
+/// a waiting rank should yield at once rather than spin on a core another rank needs.
+pub fn oversubscribed(addrs: &[String], rank: usize) -> bool {
+    let local = addrs.iter().filter(|a| **a == addrs[rank]).count();
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    local > cores
+}
+
+/// What a waiting transport should do after a poll that found nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Poll again at once.
+    Spin,
+    /// Give the core to another runnable thread, then poll again.
+    Yield,
+    /// Sleep or block briefly (the transport's own way), then poll again.
+    BackOff,
+    /// Nothing has happened for the timeout.
+    Expired,
+}
+
+/// The waiting policy and the no-progress deadline of one transport.
+#[derive(Debug)]
+pub struct Pacer {
+    timeout: Duration,
+    spin: Duration,
+    yield_until: Duration,
+    /// Idle polls since the last progress.
+    idle_polls: u32,
+    /// Progress happened since the clock was last read.
+    progressed: bool,
+    /// When progress was last seen (at a clock read).
+    last_progress: Instant,
+    /// When the current idle stretch was first seen on the clock.
+    idle_since: Instant,
+    /// The phase chosen at the last clock read.
+    phase: Wait,
+}
+
+impl Pacer {
+    /// Spin for `spin` (zero: yield from the first idle poll), then yield until `yield_until`
+    /// of idleness, then back off; `Duration::MAX` as `spin` never stops spinning. Expires after `timeout` without progress.
+    pub fn new(timeout: Duration, spin: Duration, yield_until: Duration) -> Pacer {
+        let now = Instant::now();
+        Pacer {
+            timeout,
+            spin,
+            yield_until,
+            idle_polls: 0,
+            progressed: true,
+            last_progress: now,
+            idle_since: now,
+            phase: Wait::Spin,
+        }
+    }
+
+    /// Something moved (no clock read).
+    #[inline]
+    pub fn progress(&mut self) {
+        self.idle_polls = 0;
+        self.progressed = true;
+    }
+
+    /// An operation starts: its wait is measured from here (at the next clock read).
+    #[inline]
+    pub fn begin(&mut self) {
+        self.progress();
+    }
+
+    /// Changes the timeout (e.g. shorter at teardown).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// A poll found nothing: what to do now.
+    pub fn idle(&mut self) -> Wait {
+        self.idle_polls = self.idle_polls.saturating_add(1);
+        let read = self.phase == Wait::BackOff || self.idle_polls % CLOCK_EVERY == 0;
+        if self.idle_polls < CLOCK_EVERY {
+            // Not timed yet: spin, or yield at once when told not to spin at all.
+            return if self.spin.is_zero() {
+                Wait::Yield
+            } else {
+                Wait::Spin
+            };
+        }
+        if !read {
+            return self.phase;
+        }
+        let now = Instant::now();
+        if self.progressed {
+            self.progressed = false;
+            self.last_progress = now;
+        }
+        if self.idle_polls == CLOCK_EVERY {
+            self.idle_since = now;
+        }
+        if now.duration_since(self.last_progress) > self.timeout {
+            return Wait::Expired;
+        }
+        let idle = now.duration_since(self.idle_since);
+        self.phase = if idle < self.spin {
+            Wait::Spin
+        } else if idle < self.yield_until {
+            Wait::Yield
+        } else {
+            Wait::BackOff
+        };
+        self.phase
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_follow_idle_time_and_progress_resets_them() {
+        let ms = Duration::from_millis;
+        let mut p = Pacer::new(ms(400), ms(20), ms(60));
+        assert_eq!(p.idle(), Wait::Spin);
+        let mut seen = Vec::new();
+        let t0 = Instant::now();
+        while t0.elapsed() < ms(150) {
+            let w = p.idle();
+            if seen.last() != Some(&w) {
+                seen.push(w);
+            }
+            if w == Wait::BackOff {
+                std::thread::sleep(ms(1));
+            }
+        }
+        assert_eq!(seen, [Wait::Spin, Wait::Yield, Wait::BackOff]);
+        p.progress();
+        assert_eq!(p.idle(), Wait::Spin, "progress starts a new idle stretch");
+    }
+
+    #[test]
+    fn expires_after_the_timeout_without_progress_only() {
+        let ms = Duration::from_millis;
+        let mut p = Pacer::new(ms(50), ms(1), ms(2));
+        let t0 = Instant::now();
+        let mut last_progress = Instant::now();
+        // Progress every 10 ms for 120 ms: never expires.
+        while t0.elapsed() < ms(120) {
+            if last_progress.elapsed() > ms(10) {
+                p.progress();
+                last_progress = Instant::now();
+            }
+            assert_ne!(p.idle(), Wait::Expired, "expired despite progress");
+        }
+        // No progress: expires after 50 ms, not much later, not before.
+        p.progress();
+        let t1 = Instant::now();
+        while p.idle() != Wait::Expired {
+            assert!(t1.elapsed() < ms(500), "never expired");
+        }
+        assert!(t1.elapsed() >= ms(50), "expired early: {:?}", t1.elapsed());
+    }
+}
