@@ -85,6 +85,14 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// A received chunk of `got` bytes from rank `from` where `want` were expected: the ranks
+    /// passed buffers of different lengths.
+    pub(crate) fn length_mismatch(got: usize, want: usize, from: usize) -> Error {
+        Error::InvalidArgument(format!(
+            "received {got} bytes from rank {from} where {want} were expected: do all ranks pass buffers of the same length?"
+        ))
+    }
+
     /// The peer this error names, if any.
     pub fn peer(&self) -> Option<&Peer> {
         match self {

@@ -137,3 +137,64 @@ fn wrong_lengths_write_nothing() {
     c.all_reduce(AllReduce::Max, DType::bf16, &mut []).unwrap();
     c.all_gather(&[], &mut []).unwrap();
 }
+
+/// A rank of the length-mismatch tests: `what` runs with this rank's (deliberately different)
+/// length; prints the outcome.
+fn mismatch_body(what: &str) {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let res = match what {
+        "recv" if r == 0 => c.send(1, &[1u8; 100]),
+        "recv" => c.recv(0, &mut [0u8; 60]),
+        _ => {
+            let elems = if r == 0 { 1024 } else { 1000 };
+            c.all_reduce(AllReduce::Sum, DType::f32, &mut vec![0u8; elems * 4])
+        }
+    };
+    match res {
+        Ok(()) => println!("RESULT rank {r}: OK"),
+        Err(e) => println!("RESULT rank {r}: ERROR: {e}"),
+    }
+}
+
+#[test]
+fn length_mismatch_between_ranks_is_named() {
+    for what in ["recv", "all_reduce"] {
+        let name = "length_mismatch_between_ranks_is_named";
+        if is_child(name) {
+            if std::env::var("MISMATCH_CASE").as_deref() == Ok(what) {
+                mismatch_body(what);
+            }
+            continue;
+        }
+        if !transport_ready() {
+            return;
+        }
+        let r = spawn(
+            name,
+            2,
+            Placement::Local,
+            &|_| {
+                vec![
+                    ("MISMATCH_CASE".into(), what.into()),
+                    ("RDMACOMM_TIMEOUT".into(), "5".into()),
+                ]
+            },
+            std::time::Duration::from_secs(60),
+        );
+        let all: String = r.iter().map(|x| x.output.as_str()).collect();
+        let want = if what == "recv" {
+            "recv of 60 bytes from rank 0: received 100 bytes from rank 0 where 60 were expected"
+        } else {
+            "where 4000 were expected: do all ranks pass buffers of the same length?"
+        };
+        assert!(all.contains(want), "{what}: no clear error:\n{all}");
+        for x in &r {
+            assert!(
+                x.code.is_some(),
+                "{what}: rank {} hung and was killed",
+                x.rank
+            );
+        }
+    }
+}

@@ -1,6 +1,5 @@
 //! Broadcast (a pipelined chain from the root, or a binomial tree) and barrier (dissemination).
 
-use crate::collectives::land;
 use crate::error::Result;
 use crate::transport::Link;
 
@@ -26,7 +25,7 @@ pub fn broadcast(link: &mut dyn Link, root: usize, data: &mut [u8]) -> Result<()
         let mut did = false;
         if got < pieces {
             let dst = &mut data[piece(got)];
-            let ok = link.try_take(prev, &mut |src: &[u8]| land(dst, src, None, prev))?;
+            let ok = link.try_take_into(prev, dst)?;
             if ok {
                 got += 1;
                 did = true;

@@ -12,8 +12,8 @@
 //! - `all_reduce_doubling`: the latency path: log2(p) exchanges of the whole vector; partners
 //!   combine as op(lower group, higher group), so both compute the same bits.
 
-use crate::collectives::land;
 use crate::collectives::ring::{chunks, equal_chunks};
+use crate::collectives::{land, take};
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
 use crate::reduce::reduce_unchecked;
@@ -48,7 +48,7 @@ fn exchange(
         if let Some(inp) = recv.as_deref_mut().filter(|_| ri < nr) {
             let len = inp.len();
             let dst = &mut inp[piece(ri, len)];
-            let got = link.try_take(peer, &mut |src: &[u8]| land(dst, src, reduce, peer))?;
+            let got = take(link, peer, dst, reduce)?;
             if got {
                 ri += 1;
                 did = true;

@@ -7,6 +7,22 @@ pub mod ring;
 
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
+use crate::transport::Link;
+
+/// Takes the next chunk from `from` into `dst`: reduced in (`dst = op(dst, src)`) through
+/// [`Link::try_take`], or, without `reduce`, placed by [`Link::try_take_into`] (which a transport
+/// may do without staging). Until it returns true, call it again with the same `dst`.
+pub(crate) fn take(
+    link: &mut dyn Link,
+    from: usize,
+    dst: &mut [u8],
+    reduce: Option<(AllReduce, DType)>,
+) -> Result<bool> {
+    match reduce {
+        None => link.try_take_into(from, dst),
+        Some(_) => link.try_take(from, &mut |src: &[u8]| land(dst, src, reduce, from)),
+    }
+}
 
 /// Lands a received chunk in `dst`: copies it, or reduces it in (`dst = op(dst, src)`). A length
 /// other than `dst`'s means the ranks passed buffers of different lengths.
@@ -17,11 +33,7 @@ pub(crate) fn land(
     from: usize,
 ) -> Result<()> {
     if src.len() != dst.len() {
-        return Err(Error::InvalidArgument(format!(
-            "received {} bytes from rank {from} where {} were expected: do all ranks pass buffers of the same length?",
-            src.len(),
-            dst.len()
-        )));
+        return Err(Error::length_mismatch(src.len(), dst.len(), from));
     }
     match reduce {
         Some((op, dtype)) => crate::reduce::reduce_unchecked(op, dtype, dst, src),

@@ -30,17 +30,11 @@ pub fn recv(link: &mut dyn Link, src: usize, data: &mut [u8]) -> Result<()> {
     for i in 0..pieces(total, max) {
         let part = &mut data[(i * max).min(total)..((i + 1) * max).min(total)];
         loop {
-            let got = link.try_take(src, &mut |chunk: &[u8]| {
-                if chunk.len() != part.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "recv from rank {src}: a chunk of {} bytes arrived where {} were expected; \
-                         the sender's length differs from this receive's {total} bytes",
-                        chunk.len(),
-                        part.len()
-                    )));
-                }
-                part.copy_from_slice(chunk);
-                Ok(())
+            let got = link.try_take_into(src, part).map_err(|e| match e {
+                Error::InvalidArgument(why) => Error::InvalidArgument(format!(
+                    "recv of {total} bytes from rank {src}: {why} (the sender's length differs)"
+                )),
+                e => e,
             })?;
             if got {
                 break;

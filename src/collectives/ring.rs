@@ -6,7 +6,7 @@
 //! segments in flight as the link has slots. Each element's final value is computed on exactly
 //! one rank and copied to the others, so every rank ends with the same bits.
 
-use crate::collectives::land;
+use crate::collectives::take;
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
 use crate::transport::Link;
@@ -83,7 +83,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
             let (off, len) = seg_range(chunk_at(s + 1), j);
             let dst = &mut buf[off..off + len];
             let reduce = if s < plan.reduce_steps { plan.op } else { None };
-            let got = link.try_take(left, &mut |src: &[u8]| land(dst, src, reduce, left))?;
+            let got = take(link, left, dst, reduce)?;
             if got {
                 recvd += 1;
                 did = true;

@@ -33,6 +33,18 @@ pub trait Link {
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool>;
     /// If the next chunk from `peer` has arrived, hands it to `f` and frees its slot.
     fn try_take(&mut self, peer: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool>;
+    /// If the next chunk from `peer` has arrived, copies it into `dst` (whose length must be the
+    /// chunk's) and frees its slot. A transport may place it there directly, a part per call:
+    /// until it returns true, the caller passes the same `dst`.
+    fn try_take_into(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
+        self.try_take(peer, &mut |src: &[u8]| {
+            if src.len() != dst.len() {
+                return Err(crate::Error::length_mismatch(src.len(), dst.len(), peer));
+            }
+            dst.copy_from_slice(src);
+            Ok(())
+        })
+    }
     /// Polls for completions; when nothing happened, backs off briefly. Fails when nothing has
     /// happened for the timeout, naming `waiting_on`.
     fn progress(&mut self, waiting_on: usize) -> Result<()>;

@@ -95,11 +95,28 @@ impl InQueue {
 /// How long an idle rank yields its core before blocking in poll(2).
 const YIELD_FOR: Duration = Duration::from_micros(200);
 
+/// Payload bytes read together with a header by `try_take_into`: a chunk this small is copied
+/// from the receive buffer; of a larger one, the rest is read straight into its destination.
+const DIRECT_PEEK: usize = 4096;
+
+/// A receive placed straight into the caller's buffer, past the receive buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direct {
+    /// None: the pump reads this connection into its receive buffer.
+    Off,
+    /// The caller waits for the next chunk to land in its buffer: the pump leaves the socket
+    /// alone so that the payload is read once, into its destination.
+    Armed,
+    /// The chunk's header is consumed and this many of its `len` bytes are placed.
+    Placing { placed: usize, len: usize },
+}
+
 /// One peer's connection and buffers.
 struct Conn {
     sock: TcpStream,
     out: OutQueue,
     inp: InQueue,
+    direct: Direct,
     closed: bool,
 }
 
@@ -283,6 +300,7 @@ impl TcpTransport {
                         sock: s,
                         out: OutQueue::default(),
                         inp: InQueue::new(4 * (chunk + 4)),
+                        direct: Direct::Off,
                         closed: false,
                     })
                 }
@@ -349,7 +367,7 @@ impl TcpTransport {
                 }
             }
         }
-        while err.is_none() && !c.closed {
+        while err.is_none() && !c.closed && c.direct == Direct::Off {
             let room = c.inp.room(want);
             let space = room.len();
             if space == 0 {
@@ -480,6 +498,15 @@ impl Link for TcpTransport {
     fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
         let max = self.max_chunk;
         let c = self.conns[p].as_mut().expect("no link to self");
+        match c.direct {
+            Direct::Off => {}
+            Direct::Armed => c.direct = Direct::Off,
+            Direct::Placing { .. } => {
+                return Err(Error::InvalidArgument(format!(
+                    "a chunk from rank {p} is half placed by try_take_into: finish it first"
+                )))
+            }
+        }
         let avail = c.inp.pending();
         if avail.len() < 4 {
             return Ok(false);
@@ -495,6 +522,86 @@ impl Link for TcpTransport {
         }
         f(&avail[4..4 + len])?;
         c.inp.consume(4 + len);
+        self.pacer.progress();
+        Ok(true)
+    }
+
+    fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        let max = self.max_chunk;
+        let c = self.conns[p].as_mut().expect("no link to self");
+        let mut err = None;
+        if let Direct::Off | Direct::Armed = c.direct {
+            // The header: from the receive buffer, or read with at most 4 KiB of payload (all
+            // of a small chunk in one read; of a large one, the rest is read in place).
+            let have = c.inp.pending().len();
+            if have < 4 && !c.closed {
+                let room = c.inp.room(4 + max);
+                let n = (4 + DIRECT_PEEK - have).min(room.len());
+                match c.sock.read(&mut room[..n]) {
+                    Ok(0) => c.closed = true,
+                    Ok(k) => c.inp.end += k,
+                    Err(e)
+                        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                    Err(e) => err = Some(format!("TCP receive failed: {e}")),
+                }
+            }
+            if let Some(why) = err {
+                return Err(self.fail(p, why));
+            }
+            let c = self.conns[p].as_mut().expect("present");
+            let avail = c.inp.pending();
+            if avail.len() < 4 {
+                c.direct = Direct::Armed;
+                return Ok(false);
+            }
+            let len = u32::from_le_bytes(avail[..4].try_into().expect("4 bytes")) as usize;
+            if len > max {
+                let why =
+                    format!("sent a {len}-byte chunk, more than the {max} agreed: corrupt stream");
+                return Err(self.fail(p, why));
+            }
+            if len != dst.len() {
+                c.direct = Direct::Off;
+                return Err(Error::length_mismatch(len, dst.len(), p));
+            }
+            // What already sits in the receive buffer is copied; the rest is read in place.
+            let k = (avail.len() - 4).min(len);
+            dst[..k].copy_from_slice(&avail[4..4 + k]);
+            c.inp.consume(4 + k);
+            c.direct = Direct::Placing { placed: k, len };
+        }
+        let c = self.conns[p].as_mut().expect("present");
+        let Direct::Placing { mut placed, len } = c.direct else {
+            unreachable!("placing");
+        };
+        if len != dst.len() {
+            return Err(Error::length_mismatch(len, dst.len(), p));
+        }
+        let was = placed;
+        while placed < len && !c.closed {
+            match c.sock.read(&mut dst[placed..]) {
+                Ok(0) => c.closed = true,
+                Ok(k) => placed += k,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    err = Some(format!("TCP receive failed: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(why) = err {
+            return Err(self.fail(p, why));
+        }
+        if placed > was {
+            self.pacer.progress();
+        }
+        let c = self.conns[p].as_mut().expect("present");
+        if placed < len {
+            c.direct = Direct::Placing { placed, len };
+            return Ok(false);
+        }
+        c.direct = Direct::Off;
         self.pacer.progress();
         Ok(true)
     }
@@ -535,6 +642,11 @@ impl Link for TcpTransport {
 
     fn begin(&mut self) {
         self.pacer.begin();
+        for c in self.conns.iter_mut().flatten() {
+            if c.direct == Direct::Armed {
+                c.direct = Direct::Off;
+            }
+        }
     }
 
     fn finish(&mut self) -> Result<()> {
