@@ -3,10 +3,12 @@
 //! peer's slots with credit-based flow control (never RNR).
 //!
 //! Protocol, per ordered pair (writer w, reader r), with S slots of B bytes:
-//! - chunk number k goes to r's slot `k % S` (a WRITE_WITH_IMM; the immediate is `k`, the
-//!   receive completion's byte count is the length);
+//! - chunk number k goes to r's slot `k % S` (a WRITE_WITH_IMM; the immediate's low 16 bits are
+//!   `k`, its high 16 bits the count of w's own chunks that w has consumed from r, so credits
+//!   ride along with data; the receive completion's byte count is the length);
 //! - w may post chunk k only when r has consumed chunk k-S: r reports its consumed count by an
-//!   8-byte inline RDMA WRITE into w's credit word for r, every S/2 chunks;
+//!   8-byte inline RDMA WRITE into w's credit word for r once S/2 chunks went unreported (a data
+//!   write from r to w reports them too, so exchanges between two ranks need no credit writes);
 //! - w reuses its staging slot `k % S` only after the write of chunk k-S completed.
 
 use crate::config::Config;
@@ -61,6 +63,8 @@ struct PeerState {
     consumed: u64,
     /// The consumed count last reported to the writer.
     returned: u64,
+    /// This peer's consumed count of our chunks, as its data writes reported it.
+    peer_consumed: u64,
     /// Length of each arrived, unconsumed chunk, by slot.
     lens: Vec<u32>,
     /// When the outstanding health probe (a zero-byte RDMA write) was posted.
@@ -223,6 +227,7 @@ impl RdmaTransport {
                 arrived: 0,
                 consumed: 0,
                 returned: 0,
+                peer_consumed: 0,
                 lens: vec![0; cfg.slots],
                 probe: None,
             }));
@@ -375,11 +380,17 @@ impl RdmaTransport {
             match kind {
                 KIND_RECV => {
                     let k = st.arrived;
-                    if imm != (k & 0xffff_ffff) as u32 {
-                        let e =
-                            format!("protocol error: chunk {imm} arrived where {k} was expected");
+                    if imm & 0xffff != (k & 0xffff) as u32 {
+                        let e = format!(
+                            "protocol error: chunk {} arrived where {k} was expected",
+                            imm & 0xffff
+                        );
                         return Err(self.fail(p, e));
                     }
+                    // The peer's consumed count of our chunks, from its low 16 bits: it lies
+                    // within `slots` below what we sent.
+                    let behind = st.sent.wrapping_sub(u64::from(imm >> 16)) & 0xffff;
+                    st.peer_consumed = st.peer_consumed.max(st.sent - behind.min(st.sent));
                     st.lens[(k % slots) as usize] = len;
                     st.arrived += 1;
                     st.qp.post_recv(wr_id(KIND_RECV, p, k + slots))?;
@@ -483,8 +494,9 @@ impl Link for RdmaTransport {
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
         debug_assert!(data.len() <= self.layout.slot);
         let slots = self.layout.slots as u64;
-        let credits = self.credits_from(p);
+        let word = self.credits_from(p);
         let st = self.state(p);
+        let credits = word.max(st.peer_consumed);
         let k = st.sent;
         let sq_room = st.wr_posted - st.wr_done + 2 < 2 * slots + 16;
         if k >= credits + slots || k >= st.send_done + slots || !sq_room {
@@ -493,7 +505,11 @@ impl Link for RdmaTransport {
         let off = self.layout.send_off(p, k);
         self.buf.slice_mut(off, data.len()).copy_from_slice(data);
         let remote_off = self.layout.recv_off(self.rank, k);
-        self.post(p, KIND_DATA, off, data.len(), remote_off, Some(k as u32))?;
+        let st = self.state(p);
+        let imm = (k & 0xffff) as u32 | ((st.consumed & 0xffff) as u32) << 16;
+        let consumed = st.consumed;
+        self.post(p, KIND_DATA, off, data.len(), remote_off, Some(imm))?;
+        self.state(p).returned = consumed;
         self.state(p).sent += 1;
         self.made_progress();
         Ok(true)
