@@ -72,6 +72,21 @@ impl InQueue {
         &self.buf[self.start..self.end]
     }
 
+    /// The length of the next chunk, once its header is here; an error if it exceeds `max`.
+    fn next_len(&self, max: usize) -> std::result::Result<Option<usize>, String> {
+        let p = self.pending();
+        if p.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes(p[..4].try_into().expect("4 bytes")) as usize;
+        if len > max {
+            return Err(format!(
+                "sent a {len}-byte chunk, more than the {max} agreed: corrupt stream"
+            ));
+        }
+        Ok(Some(len))
+    }
+
     fn consume(&mut self, k: usize) {
         self.start += k;
         if self.start == self.end {
@@ -507,16 +522,13 @@ impl Link for TcpTransport {
                 )))
             }
         }
+        let len = match c.inp.next_len(max) {
+            Ok(Some(len)) => len,
+            Ok(None) => return Ok(false),
+            Err(why) => return Err(self.fail(p, why)),
+        };
+        let c = self.conns[p].as_mut().expect("present");
         let avail = c.inp.pending();
-        if avail.len() < 4 {
-            return Ok(false);
-        }
-        let len = u32::from_le_bytes(avail[..4].try_into().expect("4 bytes")) as usize;
-        if len > max {
-            let why =
-                format!("sent a {len}-byte chunk, more than the {max} agreed: corrupt stream");
-            return Err(self.fail(p, why));
-        }
         if avail.len() < 4 + len {
             return Ok(false);
         }
@@ -549,17 +561,16 @@ impl Link for TcpTransport {
                 return Err(self.fail(p, why));
             }
             let c = self.conns[p].as_mut().expect("present");
+            let len = match c.inp.next_len(max) {
+                Ok(Some(len)) => len,
+                Ok(None) => {
+                    c.direct = Direct::Armed;
+                    return Ok(false);
+                }
+                Err(why) => return Err(self.fail(p, why)),
+            };
+            let c = self.conns[p].as_mut().expect("present");
             let avail = c.inp.pending();
-            if avail.len() < 4 {
-                c.direct = Direct::Armed;
-                return Ok(false);
-            }
-            let len = u32::from_le_bytes(avail[..4].try_into().expect("4 bytes")) as usize;
-            if len > max {
-                let why =
-                    format!("sent a {len}-byte chunk, more than the {max} agreed: corrupt stream");
-                return Err(self.fail(p, why));
-            }
             if len != dst.len() {
                 c.direct = Direct::Off;
                 return Err(Error::length_mismatch(len, dst.len(), p));
