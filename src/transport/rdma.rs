@@ -238,9 +238,10 @@ impl RdmaTransport {
         let events = AsyncEvents::new(&ctx)?;
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
         // than cores), yield up to 2 ms, then nap 50 us at a time: no core burnt on a long
-        // wait. RDMACOMM_POLL=spin never stops spinning.
+        // wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
         let pacer = match std::env::var("RDMACOMM_POLL").as_deref() {
             Ok("spin") => Pacer::new(cfg.timeout, Duration::MAX, Duration::MAX),
+            Ok("yield") => Pacer::new(cfg.timeout, Duration::ZERO, YIELD),
             _ if oversubscribed(&rv.addrs, cfg.rank) => {
                 Pacer::new(cfg.timeout, Duration::ZERO, YIELD)
             }

@@ -302,6 +302,7 @@ impl TcpTransport {
         // Spin while waiting only as long as it cannot take a core another local rank needs.
         let spin_for = match std::env::var("RDMACOMM_POLL").as_deref() {
             Ok("spin") => Duration::MAX,
+            Ok("yield") => Duration::ZERO,
             _ if oversubscribed(&rv.addrs, cfg.rank) => Duration::ZERO,
             _ => Duration::from_micros(50),
         };
