@@ -192,3 +192,30 @@ impl Config {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_slots_fit_the_budget_within_64_kib_and_1_mib() {
+        for (n, want) in [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (8, 512 << 10)] {
+            assert_eq!(default_slot_bytes(n, DEFAULT_SLOTS), want, "{n} ranks");
+        }
+        assert_eq!(
+            default_slot_bytes(6, DEFAULT_SLOTS),
+            512 << 10,
+            "rounds down"
+        );
+        assert_eq!(default_slot_bytes(64, DEFAULT_SLOTS), 64 << 10);
+        assert_eq!(default_slot_bytes(4096, DEFAULT_SLOTS), 64 << 10, "floor");
+        for n in 1..300 {
+            let b = default_slot_bytes(n, DEFAULT_SLOTS);
+            assert!(b.is_power_of_two() && (64 << 10..=1 << 20).contains(&b));
+            assert!(
+                b == 64 << 10 || 2 * n * DEFAULT_SLOTS * b <= SLOT_BUDGET,
+                "{n}"
+            );
+        }
+    }
+}

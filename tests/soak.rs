@@ -217,3 +217,46 @@ fn soak_mixed_collectives_and_no_leaks() {
         );
     }
 }
+
+/// More than 2^16 chunks each way between two ranks: chunk numbers and the credits that ride in
+/// a write's immediate carry 16 bits, so both must wrap cleanly. Pairwise all_reduces (credits in
+/// the immediate), then one-way sends (credits by explicit writes); every result checked.
+fn wrap_body() {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    const OPS: usize = 70_000;
+    for i in 0..OPS {
+        let mut v = [(r + i % 7) as f32, 1.0];
+        let mut bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut bytes)
+            .unwrap();
+        for (k, b) in bytes.chunks(4).enumerate() {
+            v[k] = f32::from_le_bytes(b.try_into().unwrap());
+        }
+        assert_eq!(v, [(2 * (i % 7) + 1) as f32, 2.0], "all_reduce {i}");
+    }
+    for i in 0..OPS {
+        let x = (i % 251) as u8;
+        if r == 0 {
+            c.send(1, &[x]).unwrap();
+        } else {
+            let mut got = [0u8];
+            c.recv(0, &mut got).unwrap();
+            assert_eq!(got[0], x, "message {i}");
+        }
+    }
+    c.barrier().unwrap();
+    println!("rank {r}: {OPS} exchanges and {OPS} one-way messages checked");
+}
+
+#[test]
+fn chunk_counters_wrap_past_16_bits() {
+    const NAME: &str = "chunk_counters_wrap_past_16_bits";
+    if is_child(NAME) {
+        return wrap_body();
+    }
+    if !transport_ready() {
+        return;
+    }
+    spawn_local_ok(NAME, 2, &[], Duration::from_secs(600));
+}

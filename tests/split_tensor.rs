@@ -108,14 +108,7 @@ fn split_six_ranks_interleaved() {
     if !transport_ready() {
         return;
     }
-    let res = spawn(
-        NAME,
-        6,
-        Placement::Local,
-        &|_| vec![("RDMACOMM_TIMEOUT".into(), "60".into())],
-        Duration::from_secs(400),
-    );
-    assert_all_ok(&res);
+    spawn_local_ok(NAME, 6, &[], Duration::from_secs(400));
 }
 
 fn tensor_body() {
@@ -204,14 +197,7 @@ fn tensor_collectives_four_ranks() {
     if !transport_ready() {
         return;
     }
-    let res = spawn(
-        NAME,
-        4,
-        Placement::Local,
-        &|_| vec![("RDMACOMM_TIMEOUT".into(), "60".into())],
-        Duration::from_secs(300),
-    );
-    assert_all_ok(&res);
+    spawn_local_ok(NAME, 4, &[], Duration::from_secs(300));
 }
 
 #[test]
@@ -269,13 +255,11 @@ fn broadcast_chain_and_tree_five_ranks() {
         return;
     }
     for algo in ["chain", "tree"] {
-        let res = spawn(
+        spawn_local_ok(
             NAME,
             5,
-            Placement::Local,
-            &|_| vec![("RDMACOMM_BCAST".into(), algo.into())],
+            &[("RDMACOMM_BCAST", algo)],
             Duration::from_secs(300),
         );
-        assert_all_ok(&res);
     }
 }

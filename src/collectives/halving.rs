@@ -290,8 +290,7 @@ fn exchange_reduce(
     let len = data.len();
     let pieces = len.div_ceil(seg).max(1);
     let piece = |i: usize| (i * seg).min(len)..((i + 1) * seg).min(len);
-    if upper {
-        tmp.clear();
+    if upper && tmp.len() < seg.min(len) {
         tmp.resize(seg.min(len), 0);
     }
     let (mut si, mut ri) = (0, 0);

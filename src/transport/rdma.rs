@@ -13,7 +13,7 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, rendezvous, Reader, Rendezvous, TAG_RDMA};
+use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_RDMA};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
@@ -117,14 +117,9 @@ pub struct RdmaTransport {
 }
 
 impl RdmaTransport {
-    /// Opens the device, registers memory, creates one QP per peer, meets every rank through the
-    /// bootstrap, and connects. Every rank of `cfg.world_size` must call this.
-    pub fn connect(cfg: &Config) -> Result<Self> {
-        Self::connect_with(cfg, &mut |card| rendezvous(cfg, card))
-    }
-
-    /// [`Self::connect`], meeting the other ranks through `meet` (which exchanges cards and
-    /// returns the side channel), e.g. over a parent communicator for `split`.
+    /// Opens the device, registers memory, creates one QP per peer, meets every rank through
+    /// `meet` (which exchanges cards and returns the side channel: the bootstrap, or a parent
+    /// communicator for `split`), and connects. Every rank of `cfg.world_size` must call this.
     pub fn connect_with(
         cfg: &Config,
         meet: &mut dyn FnMut(&[u8]) -> Result<Rendezvous>,

@@ -5,7 +5,7 @@
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, rendezvous, Reader, Rendezvous, TAG_TCP};
+use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_TCP};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
@@ -160,14 +160,9 @@ fn tune(s: &TcpStream) -> Result<()> {
 }
 
 impl TcpTransport {
-    /// Meets every rank through the bootstrap and connects a TCP mesh (rank j connects to every
-    /// rank i < j). Every rank of `cfg.world_size` must call this.
-    pub fn connect(cfg: &Config) -> Result<Self> {
-        Self::connect_with(cfg, &mut |card| rendezvous(cfg, card))
-    }
-
-    /// [`Self::connect`], meeting the other ranks through `meet` (which exchanges cards and
-    /// returns the side channel), e.g. over a parent communicator for `split`.
+    /// Meets every rank through `meet` (which exchanges cards and returns the side channel: the
+    /// bootstrap, or a parent communicator for `split`) and connects a TCP mesh (rank j connects
+    /// to every rank i < j). Every rank of `cfg.world_size` must call this.
     pub fn connect_with(
         cfg: &Config,
         meet: &mut dyn FnMut(&[u8]) -> Result<Rendezvous>,

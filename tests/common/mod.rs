@@ -202,6 +202,14 @@ pub fn spawn(
         .collect()
 }
 
+/// Spawns `n` ranks of test `name` on the default device with `env` (besides a 60 s timeout)
+/// and asserts every rank exited 0.
+pub fn spawn_local_ok(name: &str, n: usize, env: &[(&str, &str)], limit: Duration) {
+    let mut vars = vec![("RDMACOMM_TIMEOUT".to_string(), "60".to_string())];
+    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    assert_all_ok(&spawn(name, n, Placement::Local, &|_| vars.clone(), limit));
+}
+
 /// Asserts every rank exited 0, printing all output otherwise.
 pub fn assert_all_ok(results: &[RankResult]) {
     let bad: Vec<&RankResult> = results.iter().filter(|r| r.code != Some(0)).collect();
