@@ -256,6 +256,7 @@ impl Comm {
             .as_deref_mut()
             .expect("world of one handled by the caller");
         let r = f(link, &mut inner.scratch).and_then(|v| link.finish().map(|_| v));
+        link.release();
         if let Err(e) = &r {
             self.poison(e);
         }
@@ -292,13 +293,14 @@ impl Communicator for Comm {
             return self.check_usable();
         }
         let algo = self.algorithm();
-        self.with_link(
-            |l, scratch| match algo.choose(l.size(), data.len(), l.doubling_max()) {
+        self.with_link(|l, scratch| {
+            l.lend(data);
+            match algo.choose(l.size(), data.len(), l.doubling_max()) {
                 Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, data, scratch),
                 Algo::Halving => halving::all_reduce_halving(l, op, dtype, data, scratch),
                 _ => ring::all_reduce(l, op, dtype, data),
-            },
-        )
+            }
+        })
     }
 
     fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
@@ -311,13 +313,17 @@ impl Communicator for Comm {
         }
         self.with_link(|l, _| {
             output[l.rank() * n..(l.rank() + 1) * n].copy_from_slice(input);
+            l.lend(output);
             ring::all_gather(l, output)
         })
     }
 
     fn send(&self, dst: usize, data: &[u8]) -> Result<()> {
         check_peer("send", self.rank, self.size, dst)?;
-        self.with_link(|l, _| p2p::send(l, dst, data))
+        self.with_link(|l, _| {
+            l.lend(data);
+            p2p::send(l, dst, data)
+        })
     }
 
     fn recv(&self, src: usize, data: &mut [u8]) -> Result<()> {
@@ -335,6 +341,7 @@ impl Communicator for Comm {
         self.with_link(|l, scratch| {
             scratch.clear();
             scratch.extend_from_slice(input);
+            l.lend(scratch);
             if l.size().is_power_of_two() {
                 halving::reduce_scatter_halving(l, AllReduce::Sum, dtype, scratch)?;
             } else {
@@ -364,6 +371,7 @@ impl Communicator for Comm {
             _ => self.size > 2 && data.len() <= 8 << 10,
         };
         self.with_link(|l, _| {
+            l.lend(data);
             if tree {
                 bcast::broadcast_tree(l, root, data)
             } else {

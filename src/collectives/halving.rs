@@ -306,6 +306,7 @@ fn exchange_reduce(
         }
         if ri < si {
             let dst = &mut data[piece(ri)];
+            link.settle(dst)?;
             let got = link.try_take(peer, &mut |src: &[u8]| {
                 if !upper {
                     return land(dst, src, Some((op, dtype)), peer);

@@ -20,7 +20,10 @@ pub(crate) fn take(
 ) -> Result<bool> {
     match reduce {
         None => link.try_take_into(from, dst),
-        Some(_) => link.try_take(from, &mut |src: &[u8]| land(dst, src, reduce, from)),
+        Some(_) => {
+            link.settle(dst)?;
+            link.try_take(from, &mut |src: &[u8]| land(dst, src, reduce, from))
+        }
     }
 }
 

@@ -50,6 +50,17 @@ pub trait Link {
     fn progress(&mut self, waiting_on: usize) -> Result<()>;
     /// Marks the start of an operation (resets the no-progress clock).
     fn begin(&mut self);
+    /// Offers `buf`, which the operation's posts may come from, as the source of zero-copy sends
+    /// until [`Link::release`]; a transport may register it or ignore it. While lent, a range
+    /// that was posted must not be written before [`Link::settle`] on it returns.
+    fn lend(&mut self, _buf: &[u8]) {}
+    /// Waits (bounded by the timeout) until no send still in flight reads from `range`.
+    fn settle(&mut self, _range: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    /// Ends a lending: after it the transport holds nothing of the lent buffer (called on every
+    /// operation's exit, after [`Link::finish`] or an error).
+    fn release(&mut self) {}
     /// Completes everything posted so far before an operation returns (a transport whose posts
     /// only queue data must push it out, or a peer would wait on a rank that has moved on).
     fn finish(&mut self) -> Result<()> {

@@ -633,7 +633,10 @@ impl Link for TcpTransport {
         match self.pacer.idle() {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
-            Wait::BackOff => self.wait(Duration::from_millis(1)),
+            Wait::BackOff => {
+                self.watch.poll()?;
+                self.wait(Duration::from_millis(1));
+            }
             Wait::Expired => {
                 let why = format!("no progress for {:?} waiting on it", self.timeout);
                 let _ = self.fail(waiting_on, why);

@@ -155,3 +155,47 @@ fn registration_error(len: usize, detail: &str, os: Option<i32>) -> Error {
         }
     }
 }
+
+/// A caller's memory registered for as long as this value lives: the source of zero-copy sends.
+/// Unlike [`RegisteredBuffer`] it does not own the memory.
+pub struct LentRegion {
+    mr: Arc<MemoryRegion>,
+    start: usize,
+    end: usize,
+}
+
+impl LentRegion {
+    /// Registers `len` bytes at `addr` on `pd`.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until this value is dropped, and no work request may use
+    /// [`LentRegion::lkey`] after that.
+    pub unsafe fn new(pd: &Arc<ProtectionDomain>, addr: usize, len: usize) -> Result<Self> {
+        let access = AccessFlags::LocalWrite;
+        // SAFETY: the caller keeps addr..addr+len allocated while the MR lives (contract above).
+        let mr = unsafe { pd.reg_mr(addr, len, access) }.map_err(|e| {
+            let os = match &e.0 {
+                RegisterMemoryRegionErrorKind::Ibverbs(io) => io.raw_os_error(),
+                #[allow(unreachable_patterns)]
+                _ => None,
+            };
+            registration_error(len, &format!("{e}: {:?}", e.0), os)
+        })?;
+        Ok(LentRegion {
+            mr,
+            start: addr,
+            end: addr + len,
+        })
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+
+    /// Whether `data` lies inside the region.
+    pub fn contains(&self, data: &[u8]) -> bool {
+        let a = data.as_ptr() as usize;
+        a >= self.start && a + data.len() <= self.end
+    }
+}

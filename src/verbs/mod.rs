@@ -9,5 +9,5 @@ pub mod queue;
 
 pub use device::{list_ports, open, DeviceChoice, PortInfo, Selected};
 pub use events::{AsyncEvent, AsyncEvents};
-pub use memory::RegisteredBuffer;
+pub use memory::{LentRegion, RegisteredBuffer};
 pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy};
