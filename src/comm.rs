@@ -94,6 +94,8 @@ impl Comm {
         } else {
             None
         };
+        let (local, nlocal) = link.as_ref().map_or((0, 1), |l| l.local_rank());
+        cfg.pin.apply(local, nlocal)?;
         Ok(Comm {
             rank: cfg.rank,
             size: cfg.world_size,

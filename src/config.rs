@@ -77,6 +77,8 @@ pub struct Config {
     pub tcp_chunk: usize,
     /// RDMA, TCP, or RDMA where usable (`RDMACOMM_TRANSPORT`).
     pub transport: crate::transport::Kind,
+    /// Whether and where to pin the thread that creates the communicator (`RDMACOMM_PIN`).
+    pub pin: crate::pin::Pin,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -137,6 +139,7 @@ impl Config {
             slots,
             tcp_chunk,
             transport: crate::transport::Kind::from_env()?,
+            pin: crate::pin::Pin::parse(&env("RDMACOMM_PIN").unwrap_or_default())?,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -14,6 +14,7 @@ pub mod dtype;
 pub mod error;
 pub mod group;
 pub mod launch;
+pub mod pin;
 pub mod reduce;
 pub mod tensor;
 pub mod transport;

@@ -206,6 +206,7 @@ fn with_env(vars: &[(&str, &str)], f: impl FnOnce()) {
         "RDMACOMM_COORDINATOR",
         "RDMACOMM_TIMEOUT",
         "RDMACOMM_TCP_CHUNK",
+        "RDMACOMM_PIN",
     ];
     let saved: Vec<_> = keys.iter().map(|k| (k, std::env::var(k).ok())).collect();
     for k in keys {
@@ -307,6 +308,20 @@ fn bad_configuration_says_what_to_fix() {
             "{e}"
         );
     });
+    with_env(&[("RDMACOMM_PIN", "0,x")], || {
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(
+            e.contains("RDMACOMM_PIN=0,x: use off, auto, or core ids"),
+            "{e}"
+        );
+    });
+    with_env(&[("RDMACOMM_PIN", "99999")], || {
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(
+            e.contains("core 99999 is not one this process may run on"),
+            "{e}"
+        );
+    });
     with_env(&[("RDMACOMM_TIMEOUT", "soon")], || {
         let e = Config::from_env().unwrap_err().to_string();
         assert!(e.contains("RDMACOMM_TIMEOUT"), "{e}");
@@ -346,4 +361,78 @@ fn no_device_is_a_clear_error() {
         .expect("must fail without a device")
         .to_string();
     assert!(e.starts_with("no usable RDMA device: "), "{e}");
+}
+
+// ---- RDMACOMM_PIN: the creating thread ends up on the core its local rank was given ----
+
+/// The calling thread's allowed cores, read from /proc (independently of the crate).
+fn thread_cores() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap();
+    let mut cores = Vec::new();
+    for part in line.trim().split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        cores.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap());
+    }
+    cores
+}
+
+fn pin_body() {
+    let (r, n) = rank_size();
+    let before = thread_cores();
+    let want = match std::env::var("RDMACOMM_PIN").unwrap().as_str() {
+        "auto" => before[r % before.len()],
+        list => list.split(',').nth(r).unwrap().parse().unwrap(),
+    };
+    let c = Comm::from_env().unwrap();
+    assert_eq!(
+        thread_cores(),
+        vec![want],
+        "rank {r}: allowed before {before:?}"
+    );
+    let mut d = ((r + 1) as f32).to_le_bytes();
+    c.all_reduce(rdmacomm::AllReduce::Sum, rdmacomm::DType::f32, &mut d)
+        .unwrap();
+    assert_eq!(f32::from_le_bytes(d), (n * (n + 1) / 2) as f32);
+    println!("PINNED rank {r} to core {want}");
+}
+
+fn check_pinned(name: &str, pin: String) {
+    let r = spawn(
+        name,
+        2,
+        Placement::Local,
+        &|_| vec![("RDMACOMM_PIN".into(), pin.clone())],
+        Duration::from_secs(60),
+    );
+    for x in &r {
+        assert_eq!(x.code, Some(0), "rank {}: {}", x.rank, x.output);
+        assert!(x.output.contains("PINNED rank"), "{}", x.output);
+    }
+}
+
+#[test]
+fn pin_auto_gives_each_local_rank_its_core() {
+    if is_child("pin_auto_gives_each_local_rank_its_core") {
+        return pin_body();
+    }
+    if transport_ready() {
+        check_pinned("pin_auto_gives_each_local_rank_its_core", "auto".into());
+    }
+}
+
+#[test]
+fn pin_list_is_followed_per_local_rank() {
+    if is_child("pin_list_is_followed_per_local_rank") {
+        return pin_body();
+    }
+    if transport_ready() {
+        // Reversed: local rank 0 on the last allowed core, rank 1 on the first.
+        let cores = thread_cores();
+        let pin = format!("{},{}", cores[cores.len() - 1], cores[0]);
+        check_pinned("pin_list_is_followed_per_local_rank", pin);
+    }
 }

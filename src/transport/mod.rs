@@ -75,6 +75,8 @@ pub trait Transport: Link + Send {
     fn health(&mut self) -> Result<()>;
     /// What this transport runs on (device, port and GID for RDMA; "TCP").
     fn describe(&self) -> String;
+    /// This rank's index among the ranks on its host, and their number.
+    fn local_rank(&self) -> (usize, usize);
 }
 
 impl Transport for rdma::RdmaTransport {
@@ -84,6 +86,9 @@ impl Transport for rdma::RdmaTransport {
     fn describe(&self) -> String {
         format!("RDMA {}", self.device())
     }
+    fn local_rank(&self) -> (usize, usize) {
+        self.watch().local_rank()
+    }
 }
 
 impl Transport for tcp::TcpTransport {
@@ -92,6 +97,9 @@ impl Transport for tcp::TcpTransport {
     }
     fn describe(&self) -> String {
         self.device()
+    }
+    fn local_rank(&self) -> (usize, usize) {
+        self.watch().local_rank()
     }
 }
 

@@ -328,6 +328,11 @@ impl RdmaTransport {
         self.watch.poll()
     }
 
+    /// The side channel and failure record (for the group's addresses).
+    pub(crate) fn watch(&self) -> &Watch {
+        &self.watch
+    }
+
     /// Whether every peer is still reachable, without blocking: the side channel, the device's
     /// async events, each QP's state, and a zero-byte RDMA write probe per peer whose
     /// completion is checked on the next call.

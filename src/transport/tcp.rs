@@ -424,6 +424,11 @@ impl TcpTransport {
         };
     }
 
+    /// The side channel and failure record (for the group's addresses).
+    pub(crate) fn watch(&self) -> &Watch {
+        &self.watch
+    }
+
     /// Whether every peer is still reachable, without blocking.
     pub fn health(&mut self) -> Result<()> {
         self.check_side()?;

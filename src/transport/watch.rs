@@ -37,6 +37,13 @@ impl Watch {
         }
     }
 
+    /// This rank's index among the ranks that share its host address, and their number.
+    pub fn local_rank(&self) -> (usize, usize) {
+        let me = &self.addrs[self.rank];
+        let before = self.addrs[..self.rank].iter().filter(|a| *a == me).count();
+        (before, self.addrs.iter().filter(|a| *a == me).count())
+    }
+
     /// The recorded failure as an error, if any.
     pub fn error(&self) -> Option<Error> {
         self.failed.as_ref().map(|(p, why)| Error::PeerFailed {
