@@ -16,30 +16,20 @@ use std::time::Duration;
 /// The default timeout for every wait on a peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Slots per peer and direction unless `RDMACOMM_SLOTS` says otherwise (but see
-/// [`default_slots`]).
+/// Slots per peer and direction unless `RDMACOMM_SLOTS` says otherwise.
 pub const DEFAULT_SLOTS: usize = 4;
-
-/// The default slot count: 8 for two ranks, [`DEFAULT_SLOTS`] otherwise. Measured on lo-rxe,
-/// all_reduce busbw MB/s, 4 vs 8 slots of 1 MiB, alternating rounds: 2 ranks 16 MiB 33-36 vs
-/// 48-51, 4-8 MiB alike, 32 MiB 39-40 vs 35-38, 64 MiB 38-39 vs 41-42; no gain with 2 hosts
-/// over veth (16 MiB 30-33 vs 34) nor with 3 or 4 ranks (3 ranks 16 MiB 30 vs 27-28, 4 ranks
-/// 23.5 vs 21-22), so only two ranks get 8.
-pub fn default_slots(world_size: usize) -> usize {
-    if world_size == 2 {
-        8
-    } else {
-        DEFAULT_SLOTS
-    }
-}
 
 /// Registered memory per rank the default slot size aims at: every peer's receive and send slots.
 pub const SLOT_BUDGET: usize = 32 << 20;
 
-/// The default slot size: the largest power of two from 64 KiB to 1 MiB whose slots (receive and
-/// send, `slots` each, for every rank) fit [`SLOT_BUDGET`]: 1 MiB up to 4 ranks, 512 KiB at 8,
-/// 64 KiB from 64. Measured on lo-rxe, 2 ranks, all_reduce busbw MB/s, 256 KiB x 8 slots vs
-/// 1 MiB x 4: 1 MiB 38-43 vs 48-52, 4 MiB 33-40 vs 44-51, 16 MiB 30-33 vs 32-34.
+/// The default slot size: the largest power of two from 64 KiB to 1 MiB (2 MiB for two ranks)
+/// whose slots (receive and send, `slots` each, for every rank) fit [`SLOT_BUDGET`]: 2 MiB for 2
+/// ranks, 1 MiB up to 4, 512 KiB at 8, 64 KiB from 64. Measured on lo-rxe, all_reduce busbw
+/// MB/s: 2 ranks, 1 MiB slots vs 256 KiB x 8: 1 MiB 48-52 vs 38-43, 4 MiB 44-51 vs 33-40; 2 ranks,
+/// 4 x 2 MiB vs 4 x 1 MiB (two alternating rounds): 16 MiB 52 vs 37-39, 64 KiB-8 MiB alike, and
+/// on 2 veth hosts alike (16 MiB 30-32 both). (8 x 1 MiB also fixed 16 MiB but made 128 KiB, two
+/// 64 KiB chunks per operation, 3x slower, 10-13 ms against 3.3; 3 and 4 ranks gain nothing from
+/// 8 slots: 16 MiB 27-28 vs 30 and 21-22 vs 23.5.)
 pub fn default_slot_bytes(world_size: usize, slots: usize) -> usize {
     let fit = SLOT_BUDGET / (2 * world_size.max(1) * slots.max(1));
     let pow2 = if fit == 0 {
@@ -47,7 +37,8 @@ pub fn default_slot_bytes(world_size: usize, slots: usize) -> usize {
     } else {
         1usize << (usize::BITS - 1 - fit.leading_zeros())
     };
-    pow2.clamp(64 << 10, 1 << 20)
+    let cap = if world_size == 2 { 2 << 20 } else { 1 << 20 };
+    pow2.clamp(64 << 10, cap)
 }
 
 /// Everything a rank needs to join a communicator.
@@ -118,7 +109,7 @@ impl Config {
         };
         let slots = match env("RDMACOMM_SLOTS") {
             Some(v) => parse_num("RDMACOMM_SLOTS", &v)?,
-            None => default_slots(world_size),
+            None => DEFAULT_SLOTS,
         };
         let slot_bytes = match env("RDMACOMM_SLOT_BYTES") {
             Some(v) => parse_num("RDMACOMM_SLOT_BYTES", &v)?,
@@ -215,8 +206,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn default_slots_fit_the_budget_within_64_kib_and_1_mib() {
-        for (n, want) in [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (8, 512 << 10)] {
+    fn default_slot_sizes_fit_the_budget() {
+        for (n, want) in [(1, 1 << 20), (2, 2 << 20), (4, 1 << 20), (8, 512 << 10)] {
             assert_eq!(default_slot_bytes(n, DEFAULT_SLOTS), want, "{n} ranks");
         }
         assert_eq!(
@@ -226,16 +217,11 @@ mod tests {
         );
         assert_eq!(default_slot_bytes(64, DEFAULT_SLOTS), 64 << 10);
         assert_eq!(default_slot_bytes(4096, DEFAULT_SLOTS), 64 << 10, "floor");
-        assert_eq!(default_slot_bytes(2, default_slots(2)), 1 << 20);
-        assert_eq!(
-            (2 * 2 * default_slots(2)) << 20,
-            SLOT_BUDGET,
-            "2 ranks x 8 x 1 MiB fit"
-        );
-        assert_eq!(default_slots(3), DEFAULT_SLOTS);
+        assert_eq!(default_slot_bytes(3, DEFAULT_SLOTS), 1 << 20);
         for n in 1..300 {
             let b = default_slot_bytes(n, DEFAULT_SLOTS);
-            assert!(b.is_power_of_two() && (64 << 10..=1 << 20).contains(&b));
+            let cap = if n == 2 { 2 << 20 } else { 1 << 20 };
+            assert!(b.is_power_of_two() && (64 << 10..=cap).contains(&b));
             assert!(
                 b == 64 << 10 || 2 * n * DEFAULT_SLOTS * b <= SLOT_BUDGET,
                 "{n}"

@@ -4,6 +4,8 @@
 //! Layers, top down: [`api`] (the [`Communicator`] trait) and [`comm`] (its RDMA implementation)
 //! → [`collectives`] (algorithms over a narrow per-peer [`transport::Link`]) → [`transport`]
 //! (bootstrap over TCP, slots and credits over RDMA) → [`verbs`] (safe owners of verbs objects).
+//! Beside them: [`config`] (the environment), [`pin`] (optional core pinning), [`reduce`] (the
+//! reduction kernels).
 #![warn(missing_docs)]
 
 pub mod api;

@@ -1,7 +1,9 @@
 //! Page-aligned memory registered with the HCA: the allocation and its MR, owned together.
 
 use crate::error::{Error, Result};
-use sideway::ibverbs::memory_region::{MemoryRegion, RegisterMemoryRegionErrorKind};
+use sideway::ibverbs::memory_region::{
+    MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
+};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
@@ -42,12 +44,7 @@ impl RegisteredBuffer {
             Err(e) => {
                 // SAFETY: allocated above with this layout and not registered.
                 unsafe { dealloc(ptr.as_ptr(), layout) };
-                let os = match &e.0 {
-                    RegisterMemoryRegionErrorKind::Ibverbs(io) => io.raw_os_error(),
-                    #[allow(unreachable_patterns)]
-                    _ => None,
-                };
-                return Err(registration_error(len, &format!("{e}: {:?}", e.0), os));
+                return Err(registration_failed(len, e));
             }
         };
         Ok(RegisteredBuffer {
@@ -135,6 +132,16 @@ pub fn memlock_limit() -> String {
     }
 }
 
+/// A failed `ibv_reg_mr` of `len` bytes as an error that says what to fix.
+fn registration_failed(len: usize, e: RegisterMemoryRegionError) -> Error {
+    let os = match &e.0 {
+        RegisterMemoryRegionErrorKind::Ibverbs(io) => io.raw_os_error(),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    };
+    registration_error(len, &format!("{e}: {:?}", e.0), os)
+}
+
 fn registration_error(len: usize, detail: &str, os: Option<i32>) -> Error {
     let detail = detail.to_string();
     let limit = memlock_limit();
@@ -173,14 +180,8 @@ impl LentRegion {
     pub unsafe fn new(pd: &Arc<ProtectionDomain>, addr: usize, len: usize) -> Result<Self> {
         let access = AccessFlags::LocalWrite;
         // SAFETY: the caller keeps addr..addr+len allocated while the MR lives (contract above).
-        let mr = unsafe { pd.reg_mr(addr, len, access) }.map_err(|e| {
-            let os = match &e.0 {
-                RegisterMemoryRegionErrorKind::Ibverbs(io) => io.raw_os_error(),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            };
-            registration_error(len, &format!("{e}: {:?}", e.0), os)
-        })?;
+        let mr =
+            unsafe { pd.reg_mr(addr, len, access) }.map_err(|e| registration_failed(len, e))?;
         Ok(LentRegion {
             mr,
             start: addr,
