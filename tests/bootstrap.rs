@@ -283,49 +283,36 @@ fn launcher_variables_in_documented_order() {
 
 #[test]
 fn bad_configuration_says_what_to_fix() {
-    with_env(
-        &[("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "x")],
-        || {
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (
+            &[("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "x")],
+            "rank 4 is out of range for world size 4",
+        ),
+        (
+            &[("RANK", "0"), ("WORLD_SIZE", "2")],
+            "set RDMACOMM_COORDINATOR=host:port or MASTER_ADDR",
+        ),
+        (&[("RANK", "0")], "RANK is set but WORLD_SIZE is not"),
+        (
+            &[("RDMACOMM_TCP_CHUNK", "100")],
+            "RDMACOMM_TCP_CHUNK=100: must be a multiple of 64 between 4096 and 16 MiB",
+        ),
+        (
+            &[("RDMACOMM_PIN", "0,x")],
+            "RDMACOMM_PIN=0,x: use off, auto, or core ids",
+        ),
+        (
+            &[("RDMACOMM_PIN", "99999")],
+            "core 99999 is not one this process may run on",
+        ),
+        (&[("RDMACOMM_TIMEOUT", "soon")], "RDMACOMM_TIMEOUT"),
+    ];
+    for (vars, want) in cases {
+        with_env(vars, || {
             let e = Config::from_env().unwrap_err().to_string();
-            assert!(e.contains("rank 4 is out of range for world size 4"), "{e}");
-        },
-    );
-    with_env(&[("RANK", "0"), ("WORLD_SIZE", "2")], || {
-        let e = Config::from_env().unwrap_err().to_string();
-        assert!(
-            e.contains("set RDMACOMM_COORDINATOR=host:port or MASTER_ADDR"),
-            "{e}"
-        );
-    });
-    with_env(&[("RANK", "0")], || {
-        let e = Config::from_env().unwrap_err().to_string();
-        assert!(e.contains("RANK is set but WORLD_SIZE is not"), "{e}");
-    });
-    with_env(&[("RDMACOMM_TCP_CHUNK", "100")], || {
-        let e = Config::from_env().unwrap_err().to_string();
-        assert!(
-            e.contains("RDMACOMM_TCP_CHUNK=100: must be a multiple of 64 between 4096 and 16 MiB"),
-            "{e}"
-        );
-    });
-    with_env(&[("RDMACOMM_PIN", "0,x")], || {
-        let e = Config::from_env().unwrap_err().to_string();
-        assert!(
-            e.contains("RDMACOMM_PIN=0,x: use off, auto, or core ids"),
-            "{e}"
-        );
-    });
-    with_env(&[("RDMACOMM_PIN", "99999")], || {
-        let e = Config::from_env().unwrap_err().to_string();
-        assert!(
-            e.contains("core 99999 is not one this process may run on"),
-            "{e}"
-        );
-    });
-    with_env(&[("RDMACOMM_TIMEOUT", "soon")], || {
-        let e = Config::from_env().unwrap_err().to_string();
-        assert!(e.contains("RDMACOMM_TIMEOUT"), "{e}");
-    });
+            assert!(e.contains(want), "{vars:?}: {e}");
+        });
+    }
 }
 
 #[test]
