@@ -37,13 +37,7 @@ pub trait Link {
     /// chunk's) and frees its slot. A transport may place it there directly, a part per call:
     /// until it returns true, the caller passes the same `dst`.
     fn try_take_into(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
-        self.try_take(peer, &mut |src: &[u8]| {
-            if src.len() != dst.len() {
-                return Err(crate::Error::length_mismatch(src.len(), dst.len(), peer));
-            }
-            dst.copy_from_slice(src);
-            Ok(())
-        })
+        self.try_take(peer, &mut |src: &[u8]| copy_chunk(src, dst, peer))
     }
     /// Polls for completions; when nothing happened, backs off briefly. Fails when nothing has
     /// happened for the timeout, naming `waiting_on`.
@@ -66,6 +60,16 @@ pub trait Link {
     fn finish(&mut self) -> Result<()> {
         Ok(())
     }
+}
+
+/// Copies a chunk from `peer` into `dst`, whose length must be the chunk's (else the ranks
+/// passed buffers of different lengths).
+pub(crate) fn copy_chunk(src: &[u8], dst: &mut [u8], peer: usize) -> Result<()> {
+    if src.len() != dst.len() {
+        return Err(crate::Error::length_mismatch(src.len(), dst.len(), peer));
+    }
+    dst.copy_from_slice(src);
+    Ok(())
 }
 
 /// A transport a communicator can own: a [`Link`] that can also check its peers' health and say

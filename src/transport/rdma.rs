@@ -26,7 +26,7 @@ use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_RDMA};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
-use crate::transport::Link;
+use crate::transport::{copy_chunk, Link};
 use crate::verbs::queue::MAX_INLINE;
 use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, LentRegion, RcQueuePair,
@@ -583,15 +583,14 @@ impl Link for RdmaTransport {
         if k >= credits + slots || k >= st.send_done + slots || !sq_room {
             return Ok(false);
         }
-        let local = match &self.lent {
-            Some(r) if r.contains(data) => (r.lkey(), data.as_ptr() as u64),
+        let (local, zero_copy) = match &self.lent {
+            Some(r) if r.contains(data) => ((r.lkey(), data.as_ptr() as u64), true),
             _ => {
                 let off = self.layout.send_off(p, k);
                 self.buf.slice_mut(off, data.len()).copy_from_slice(data);
-                (self.buf.lkey(), self.buf.addr() + off as u64)
+                ((self.buf.lkey(), self.buf.addr() + off as u64), false)
             }
         };
-        let zero_copy = local.0 != self.buf.lkey();
         let remote_off = self.layout.recv_off(self.rank, k);
         let st = self.state(p);
         let imm = (k & 0xffff) as u32 | ((st.consumed & 0xffff) as u32) << 16;
@@ -655,13 +654,7 @@ impl Link for RdmaTransport {
 
     fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
         self.settle(dst)?;
-        self.try_take(p, &mut |src: &[u8]| {
-            if src.len() != dst.len() {
-                return Err(Error::length_mismatch(src.len(), dst.len(), p));
-            }
-            dst.copy_from_slice(src);
-            Ok(())
-        })
+        self.try_take(p, &mut |src: &[u8]| copy_chunk(src, dst, p))
     }
 
     fn lend(&mut self, buf: &[u8]) {
