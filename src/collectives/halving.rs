@@ -35,6 +35,7 @@ fn exchange(
     let ns = send.map_or(0, |s| pieces(s.len()));
     let nr = recv.as_ref().map_or(0, |r| pieces(r.len()));
     let (mut si, mut ri) = (0, 0);
+    let one_post = link.take_between_posts();
     link.begin();
     while si < ns || ri < nr {
         let mut did = false;
@@ -44,6 +45,9 @@ fn exchange(
             }
             si += 1;
             did = true;
+            if one_post {
+                break;
+            }
         }
         if let Some(inp) = recv.as_deref_mut().filter(|_| ri < nr) {
             let len = inp.len();
@@ -294,15 +298,16 @@ fn exchange_reduce(
         tmp.resize(seg.min(len), 0);
     }
     let (mut si, mut ri) = (0, 0);
+    let one_post = link.take_between_posts();
     link.begin();
     while si < pieces || ri < pieces {
         let mut did = false;
-        while si < pieces {
-            if !link.try_post(peer, &data[piece(si)])? {
-                break;
-            }
+        while si < pieces && link.try_post(peer, &data[piece(si)])? {
             si += 1;
             did = true;
+            if one_post {
+                break;
+            }
         }
         if ri < si {
             let dst = &mut data[piece(ri)];

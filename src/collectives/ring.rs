@@ -66,6 +66,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
     };
     let total = plan.steps * nseg;
     let (mut sent, mut recvd) = (0usize, 0usize);
+    let one_post = link.take_between_posts();
     link.begin();
     while recvd < total || sent < total {
         let mut did = false;
@@ -77,6 +78,9 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
             }
             sent += 1;
             did = true;
+            if one_post {
+                break;
+            }
         }
         if recvd < total {
             let (s, j) = (recvd / nseg, recvd % nseg);

@@ -29,6 +29,11 @@ pub trait Link {
     fn doubling_max(&self) -> usize {
         crate::comm::DOUBLING_MAX_BYTES
     }
+    /// Whether a collective should try a take after every post instead of posting while it
+    /// can: true where taking returns the credits a peer's next posts wait for (RDMA).
+    fn take_between_posts(&self) -> bool {
+        false
+    }
     /// Posts `data` (at most `max_chunk` bytes) to `peer` if a slot is free; `Ok(false)` if not.
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool>;
     /// If the next chunk from `peer` has arrived, hands it to `f` and frees its slot.
