@@ -9,7 +9,7 @@ use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_TCP};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
@@ -543,15 +543,31 @@ impl Link for TcpTransport {
         let max = self.max_chunk;
         let c = self.conns[p].as_mut().expect("no link to self");
         let mut err = None;
+        // Payload bytes read into `dst` together with the header.
+        let mut early = 0;
         if let Direct::Off | Direct::Armed = c.direct {
-            // The header: from the receive buffer, or read with at most 4 KiB of payload (all
-            // of a small chunk in one read; of a large one, the rest is read in place).
+            // The header: from the receive buffer; or, when nothing is buffered and the chunk
+            // is large, read in one readv with as much payload as has arrived, straight into
+            // place (a header that then disagrees with `dst` is an error either way); or read
+            // with at most 4 KiB of payload (all of a small chunk in one read).
             let have = c.inp.pending().len();
             if have < 4 && !c.closed {
                 let room = c.inp.room(4 + max);
-                let n = (4 + DIRECT_PEEK - have).min(room.len());
-                match c.sock.read(&mut room[..n]) {
+                let vectored = have == 0 && dst.len() > DIRECT_PEEK && room.len() >= 4;
+                let got = if vectored {
+                    let (head, _) = room.split_at_mut(4);
+                    let mut iov = [IoSliceMut::new(head), IoSliceMut::new(dst)];
+                    c.sock.read_vectored(&mut iov)
+                } else {
+                    let n = (4 + DIRECT_PEEK - have).min(room.len());
+                    c.sock.read(&mut room[..n])
+                };
+                match got {
                     Ok(0) => c.closed = true,
+                    Ok(k) if vectored => {
+                        c.inp.end += k.min(4);
+                        early = k.saturating_sub(4);
+                    }
                     Ok(k) => c.inp.end += k,
                     Err(e)
                         if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
@@ -580,7 +596,10 @@ impl Link for TcpTransport {
             let k = (avail.len() - 4).min(len);
             dst[..k].copy_from_slice(&avail[4..4 + k]);
             c.inp.consume(4 + k);
-            c.direct = Direct::Placing { placed: k, len };
+            c.direct = Direct::Placing {
+                placed: k + early,
+                len,
+            };
         }
         let c = self.conns[p].as_mut().expect("present");
         let Direct::Placing { mut placed, len } = c.direct else {
