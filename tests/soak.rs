@@ -1,6 +1,8 @@
-//! Load: thousands of mixed collectives of random sizes on 4 ranks, every result checked; and no
+//! Load: thousands of mixed collectives of random sizes on 4 ranks, every result checked; no
 //! leaks: communicators created and dropped repeatedly leave no file descriptors, queue pairs,
-//! memory regions, CQs or PDs behind (counted from /proc and the kernel's `rdma resource` view).
+//! memory regions, CQs or PDs behind (counted from /proc and the kernel's `rdma resource` view);
+//! and a hot path without allocation: repeated calls with the same sizes allocate nothing
+//! (counted by `allocation-counter`'s allocator, on the calling thread).
 
 mod common;
 use common::reference::*;
@@ -259,4 +261,123 @@ fn chunk_counters_wrap_past_16_bits() {
         return;
     }
     spawn_local_ok(NAME, 2, &[], Duration::from_secs(600));
+}
+
+/// One round of every operation with fixed sizes, inputs restored from `init` first: small and
+/// 1 MiB all_reduce, all_gather, sum_scatter, broadcast, a ring of sends, a barrier.
+struct Round {
+    init: Vec<u8>,
+    small: Vec<u8>,
+    large: Vec<u8>,
+    gathered: Vec<u8>,
+    scattered: Vec<u8>,
+    bcast: Vec<u8>,
+    msg: Vec<u8>,
+    got: Vec<u8>,
+}
+
+impl Round {
+    fn new(r: usize, n: usize) -> Round {
+        let init = fill(DType::f32, AllReduce::Sum, r, 1 << 18);
+        let scattered = vec![0; init.len() / n / 4 * 4];
+        Round {
+            small: init[..8].to_vec(),
+            large: init.clone(),
+            gathered: vec![0; init.len() * n],
+            scattered,
+            bcast: vec![0; 64 << 10],
+            msg: vec![r as u8; 4096],
+            got: vec![0; 4096],
+            init,
+        }
+    }
+
+    fn run(&mut self, c: &Comm) {
+        let (r, n) = (c.rank(), c.size());
+        self.small.copy_from_slice(&self.init[..8]);
+        self.large.copy_from_slice(&self.init);
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut self.small)
+            .unwrap();
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut self.large)
+            .unwrap();
+        c.all_gather(&self.init, &mut self.gathered).unwrap();
+        let part = self.scattered.len() * n;
+        c.sum_scatter(DType::f32, &self.init[..part], &mut self.scattered)
+            .unwrap();
+        if r == 0 {
+            self.bcast.fill(7);
+        }
+        c.broadcast(0, &mut self.bcast).unwrap();
+        self.got.fill(0);
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        if r == 0 {
+            c.send(next, &self.msg).unwrap();
+            c.recv(prev, &mut self.got).unwrap();
+        } else {
+            c.recv(prev, &mut self.got).unwrap();
+            c.send(next, &self.msg).unwrap();
+        }
+        c.barrier().unwrap();
+    }
+}
+
+fn hot_path_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let mut round = Round::new(r, n);
+    round.run(&c); // warm-up: buffers that grow once (scratch, receive state) grow here
+    const ROUNDS: usize = 10;
+    let info = allocation_counter::measure(|| {
+        for _ in 0..ROUNDS {
+            round.run(&c);
+        }
+    });
+    // The last round's results are checked, so the counted calls did their work.
+    check_all_reduce(DType::f32, AllReduce::Sum, n, &round.small).unwrap();
+    check_all_reduce(DType::f32, AllReduce::Sum, n, &round.large).unwrap();
+    for (p, part) in round.gathered.chunks(round.init.len()).enumerate() {
+        assert_eq!(
+            part,
+            fill(DType::f32, AllReduce::Sum, p, 1 << 18),
+            "all_gather part {p}"
+        );
+    }
+    let per = round.scattered.len() / 4;
+    for (j, x) in round.scattered.chunks(4).enumerate() {
+        let i = r * per + j;
+        let want: f64 = (0..n).map(|p| float_val(AllReduce::Sum, p, i)).sum();
+        assert_eq!(read_elem(DType::f32, x), want, "sum_scatter element {i}");
+    }
+    assert!(round.bcast.iter().all(|&b| b == 7), "broadcast");
+    let prev = (r + n - 1) % n;
+    assert!(
+        round.got.iter().all(|&b| b == prev as u8),
+        "message from rank {prev}"
+    );
+    println!(
+        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 7 operations",
+        c.device().unwrap_or_default(),
+        info.count_total,
+        info.bytes_total
+    );
+    assert_eq!(
+        info.count_total, 0,
+        "rank {r}: repeated calls with the same sizes allocated {} times ({} bytes)",
+        info.count_total, info.bytes_total
+    );
+}
+
+#[test]
+fn repeated_calls_allocate_nothing() {
+    const NAME: &str = "repeated_calls_allocate_nothing";
+    if is_child(NAME) {
+        return hot_path_body();
+    }
+    if !transport_ready() {
+        return;
+    }
+    // 4 ranks: recursive doubling and halving-doubling; 3: the ring and the non-power-of-two fold.
+    for n in [4, 3] {
+        spawn_local_ok(NAME, n, &[], Duration::from_secs(300));
+    }
 }

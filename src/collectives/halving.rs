@@ -12,7 +12,7 @@
 //! - `all_reduce_doubling`: the latency path: log2(p) exchanges of the whole vector; partners
 //!   combine as op(lower group, higher group), so both compute the same bits.
 
-use crate::collectives::ring::{chunks, equal_chunks};
+use crate::collectives::ring::{chunks, equal_chunks, Chunks};
 use crate::collectives::{land, take};
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
@@ -145,9 +145,10 @@ fn fold_out(link: &mut dyn Link, f: &Fold, data: &mut [u8], esize: usize) -> Res
 }
 
 /// Byte range covering blocks `lo..hi` of `blocks`.
-fn span(blocks: &[(usize, usize)], lo: usize, hi: usize) -> (usize, usize) {
-    let start = blocks[lo].0;
-    let end = blocks[hi - 1].0 + blocks[hi - 1].1;
+fn span(blocks: &Chunks, lo: usize, hi: usize) -> (usize, usize) {
+    let start = blocks.get(lo).0;
+    let last = blocks.get(hi - 1);
+    let end = last.0 + last.1;
     (start, end - start)
 }
 
@@ -158,7 +159,7 @@ fn halve(
     f: &Fold,
     me: usize,
     data: &mut [u8],
-    blocks: &[(usize, usize)],
+    blocks: &Chunks,
     op: AllReduce,
     dtype: DType,
 ) -> Result<(usize, usize)> {
@@ -197,7 +198,7 @@ fn double(
     f: &Fold,
     me: usize,
     data: &mut [u8],
-    blocks: &[(usize, usize)],
+    blocks: &Chunks,
     owned: (usize, usize),
     esize: usize,
 ) -> Result<()> {

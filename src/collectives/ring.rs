@@ -11,31 +11,51 @@ use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
 use crate::transport::Link;
 
-/// Byte range of each of `n` chunks of a buffer of `elems` elements of `esize` bytes: the first
-/// `elems % n` chunks get one element more.
-pub fn chunks(elems: usize, n: usize, esize: usize) -> Vec<(usize, usize)> {
-    let (base, extra) = (elems / n, elems % n);
-    let mut off = 0;
-    (0..n)
-        .map(|c| {
-            let len = (base + usize::from(c < extra)) * esize;
-            let r = (off, len);
-            off += len;
-            r
-        })
-        .collect()
+/// How a buffer is cut into `n` chunks, computed per chunk (no allocation on the hot path): the
+/// first `extra` chunks get one element more.
+#[derive(Clone, Copy, Debug)]
+pub struct Chunks {
+    base: usize,
+    extra: usize,
+    esize: usize,
 }
 
-/// Byte ranges of `n` equal chunks of a buffer of `len` bytes.
-pub fn equal_chunks(len: usize, n: usize) -> Vec<(usize, usize)> {
-    let each = len / n;
-    (0..n).map(|c| (c * each, each)).collect()
+impl Chunks {
+    /// Byte range (offset, length) of chunk `c`.
+    pub fn get(&self, c: usize) -> (usize, usize) {
+        let off = (c * self.base + c.min(self.extra)) * self.esize;
+        (off, (self.base + usize::from(c < self.extra)) * self.esize)
+    }
+
+    /// Length of the longest chunk.
+    fn max_len(&self) -> usize {
+        (self.base + usize::from(self.extra > 0)) * self.esize
+    }
+}
+
+/// `n` chunks of a buffer of `elems` elements of `esize` bytes: the first `elems % n` chunks get
+/// one element more.
+pub fn chunks(elems: usize, n: usize, esize: usize) -> Chunks {
+    Chunks {
+        base: elems / n,
+        extra: elems % n,
+        esize,
+    }
+}
+
+/// `n` equal chunks of a buffer of `len` bytes.
+pub fn equal_chunks(len: usize, n: usize) -> Chunks {
+    Chunks {
+        base: len / n,
+        extra: 0,
+        esize: 1,
+    }
 }
 
 /// What a ring run does with received segments.
-struct Plan<'a> {
+struct Plan {
     /// Chunk ranges of the buffer.
-    chunks: &'a [(usize, usize)],
+    chunks: Chunks,
     /// Steps that reduce (the first ones), then steps that copy.
     reduce_steps: usize,
     steps: usize,
@@ -54,12 +74,12 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
     }
     let right = (rank + 1) % n;
     let left = (rank + n - 1) % n;
-    let max_chunk_len = plan.chunks.iter().map(|c| c.1).max().unwrap_or(0);
+    let max_chunk_len = plan.chunks.max_len();
     let seg = (link.max_chunk() / plan.esize * plan.esize).max(plan.esize);
     let nseg = max_chunk_len.div_ceil(seg).max(1);
     let chunk_at = |s: usize| (rank + plan.shift + n * plan.steps - s) % n;
     let seg_range = |c: usize, j: usize| {
-        let (off, len) = plan.chunks[c];
+        let (off, len) = plan.chunks.get(c);
         let a = (j * seg).min(len);
         let b = ((j + 1) * seg).min(len);
         (off + a, b - a)
@@ -106,7 +126,7 @@ pub fn all_reduce(link: &mut dyn Link, op: AllReduce, dtype: DType, data: &mut [
     let n = link.size();
     let chunks = chunks(data.len() / dtype.size(), n, dtype.size());
     let plan = Plan {
-        chunks: &chunks,
+        chunks,
         reduce_steps: n - 1,
         steps: 2 * (n - 1),
         shift: 0,
@@ -128,7 +148,7 @@ pub fn reduce_scatter(
     let chunks = equal_chunks(data.len(), n);
     // Step s sends chunk rank-1-s; after n-1 steps this rank holds its own chunk, complete.
     let plan = Plan {
-        chunks: &chunks,
+        chunks,
         reduce_steps: n - 1,
         steps: n - 1,
         shift: n - 1,
@@ -143,7 +163,7 @@ pub fn all_gather(link: &mut dyn Link, data: &mut [u8]) -> Result<()> {
     let n = link.size();
     let chunks = equal_chunks(data.len(), n);
     let plan = Plan {
-        chunks: &chunks,
+        chunks,
         reduce_steps: 0,
         steps: n - 1,
         shift: 0,
