@@ -172,3 +172,38 @@ pub fn all_gather(link: &mut dyn Link, data: &mut [u8]) -> Result<()> {
     };
     run(link, data, &plan)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_tile_the_buffer_in_order() {
+        for (elems, n, esize) in [
+            (0, 3, 4),
+            (2, 4, 4),
+            (7, 3, 2),
+            (1 << 18, 4, 4),
+            (1001, 8, 8),
+        ] {
+            let c = chunks(elems, n, esize);
+            let mut off = 0;
+            let mut longest = 0;
+            for i in 0..n {
+                let (o, len) = c.get(i);
+                assert_eq!(o, off, "chunk {i} of {elems} elements in {n}");
+                let want = elems / n + usize::from(i < elems % n);
+                assert_eq!(len, want * esize, "chunk {i} of {elems} elements in {n}");
+                off += len;
+                longest = longest.max(len);
+            }
+            assert_eq!(off, elems * esize);
+            assert_eq!(c.max_len(), longest);
+        }
+        let e = equal_chunks(4096, 4);
+        assert_eq!(
+            (e.get(0), e.get(3), e.max_len()),
+            ((0, 1024), (3072, 1024), 1024)
+        );
+    }
+}
