@@ -27,10 +27,7 @@ fn short() -> Vec<(String, String)> {
 
 #[test]
 fn missing_rank_is_named_on_every_waiting_rank() {
-    if is_child("missing_rank_is_named_on_every_waiting_rank") {
-        return join_body();
-    }
-    if !transport_ready() {
+    if !parent_ready("missing_rank_is_named_on_every_waiting_rank", join_body) {
         return;
     }
     // World of 3, only ranks 0 and 1 started.
@@ -58,10 +55,7 @@ fn missing_rank_is_named_on_every_waiting_rank() {
 
 #[test]
 fn world_size_mismatch_is_refused() {
-    if is_child("world_size_mismatch_is_refused") {
-        return join_body();
-    }
-    if !transport_ready() {
+    if !parent_ready("world_size_mismatch_is_refused", join_body) {
         return;
     }
     let r = spawn(
@@ -121,10 +115,7 @@ fn tcp_chunk_mismatch_is_refused() {
 
 #[test]
 fn duplicated_rank_is_refused() {
-    if is_child("duplicated_rank_is_refused") {
-        return join_body();
-    }
-    if !transport_ready() {
+    if !parent_ready("duplicated_rank_is_refused", join_body) {
         return;
     }
     // Three processes for a world of 3, but two of them claim rank 1.
@@ -160,10 +151,7 @@ fn duplicated_rank_is_refused() {
 
 #[test]
 fn coordinator_port_in_use_is_named() {
-    if is_child("coordinator_port_in_use_is_named") {
-        return join_body();
-    }
-    if !transport_ready() {
+    if !parent_ready("coordinator_port_in_use_is_named", join_body) {
         return;
     }
     let port = free_port();

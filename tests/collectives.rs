@@ -174,10 +174,7 @@ fn body() {
 }
 
 fn run(name: &str, n: usize, placement: Placement) {
-    if is_child(name) {
-        return body();
-    }
-    if !transport_ready() {
+    if !parent_ready(name, body) {
         return;
     }
     if placement == Placement::Hosts && vm_hosts() < 2 {

@@ -124,10 +124,7 @@ fn kill_body() {
 }
 
 fn kill_case(name: &str, n: usize, victim: usize, mode: &str) {
-    if is_child(name) {
-        return kill_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(name, kill_body) {
         return;
     }
     let (v, m) = (victim.to_string(), mode.to_string());
@@ -241,10 +238,7 @@ fn link_body() {
 #[test]
 fn link_down_during_a_collective() {
     const NAME: &str = "link_down_during_a_collective";
-    if is_child(NAME) {
-        return link_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, link_body) {
         return;
     }
     if vm_hosts() < 3 {
@@ -363,10 +357,7 @@ fn health_body() {
 #[test]
 fn health_ok_then_names_a_dead_peer() {
     const NAME: &str = "health_ok_then_names_a_dead_peer";
-    if is_child(NAME) {
-        return health_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, health_body) {
         return;
     }
     let res = spawn(

@@ -180,10 +180,7 @@ fn soak_body() {
 #[test]
 fn soak_mixed_collectives_and_no_leaks() {
     const NAME: &str = "soak_mixed_collectives_and_no_leaks";
-    if is_child(NAME) {
-        return soak_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, soak_body) {
         return;
     }
     let held: Vec<std::net::TcpListener> = (0..7)
@@ -254,10 +251,7 @@ fn wrap_body() {
 #[test]
 fn chunk_counters_wrap_past_16_bits() {
     const NAME: &str = "chunk_counters_wrap_past_16_bits";
-    if is_child(NAME) {
-        return wrap_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, wrap_body) {
         return;
     }
     spawn_local_ok(NAME, 2, &[], Duration::from_secs(600));
@@ -370,10 +364,7 @@ fn hot_path_body() {
 #[test]
 fn repeated_calls_allocate_nothing() {
     const NAME: &str = "repeated_calls_allocate_nothing";
-    if is_child(NAME) {
-        return hot_path_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, hot_path_body) {
         return;
     }
     // 4 ranks: recursive doubling and halving-doubling; 3: the ring and the non-power-of-two fold.

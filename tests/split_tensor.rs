@@ -102,10 +102,7 @@ fn split_body() {
 #[test]
 fn split_six_ranks_interleaved() {
     const NAME: &str = "split_six_ranks_interleaved";
-    if is_child(NAME) {
-        return split_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, split_body) {
         return;
     }
     spawn_local_ok(NAME, 6, &[], Duration::from_secs(400));
@@ -191,10 +188,7 @@ fn tensor_body() {
 #[test]
 fn tensor_collectives_four_ranks() {
     const NAME: &str = "tensor_collectives_four_ranks";
-    if is_child(NAME) {
-        return tensor_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, tensor_body) {
         return;
     }
     spawn_local_ok(NAME, 4, &[], Duration::from_secs(300));
@@ -248,10 +242,7 @@ fn bcast_body() {
 #[test]
 fn broadcast_chain_and_tree_five_ranks() {
     const NAME: &str = "broadcast_chain_and_tree_five_ranks";
-    if is_child(NAME) {
-        return bcast_body();
-    }
-    if !transport_ready() {
+    if !parent_ready(NAME, bcast_body) {
         return;
     }
     for algo in ["chain", "tree"] {

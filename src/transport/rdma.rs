@@ -626,17 +626,15 @@ impl Link for RdmaTransport {
         self.state(p).returned = consumed;
         self.state(p).sent += 1;
         self.made_progress();
+        // Look at the completion queue (a user-space read) after every post, so a caller that
+        // keeps posting still sees, and takes, what arrived meanwhile (on rxe a post takes long
+        // enough for the peer's chunks to land); idle turns poll in `progress`.
+        self.poll()?;
         Ok(true)
     }
 
     fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
         let slots = self.layout.slots as u64;
-        let st = self.state(p);
-        // Nothing seen yet: look at the completion queue (a user-space read) before saying so,
-        // so a caller that keeps posting still sees, and takes, what arrived meanwhile.
-        if st.consumed >= st.arrived && !self.poll()? {
-            return Ok(false);
-        }
         let st = self.state(p);
         if st.consumed >= st.arrived {
             return Ok(false);

@@ -132,18 +132,15 @@ pub fn memlock_limit() -> String {
     }
 }
 
-/// A failed `ibv_reg_mr` of `len` bytes as an error that says what to fix.
+/// A failed `ibv_reg_mr` of `len` bytes as an error that says what to fix: a locked-memory
+/// problem (ENOMEM, EPERM, EAGAIN under a limit) names the limit.
 fn registration_failed(len: usize, e: RegisterMemoryRegionError) -> Error {
     let os = match &e.0 {
         RegisterMemoryRegionErrorKind::Ibverbs(io) => io.raw_os_error(),
         #[allow(unreachable_patterns)]
         _ => None,
     };
-    registration_error(len, &format!("{e}: {:?}", e.0), os)
-}
-
-fn registration_error(len: usize, detail: &str, os: Option<i32>) -> Error {
-    let detail = detail.to_string();
+    let detail = format!("{e}: {:?}", e.0);
     let limit = memlock_limit();
     let lock_problem = matches!(
         os,

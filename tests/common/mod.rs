@@ -34,6 +34,16 @@ pub fn is_child(name: &str) -> bool {
     std::env::var(CHILD).is_ok_and(|v| v == name)
 }
 
+/// The entry of a multi-process test: in a rank child of test `name`, runs `body` and returns
+/// false; in the parent, returns whether the transport is ready (false after saying why not).
+pub fn parent_ready(name: &str, body: fn()) -> bool {
+    if is_child(name) {
+        body();
+        return false;
+    }
+    transport_ready()
+}
+
 /// This child's rank and world size (set by [`spawn`]).
 pub fn rank_size() -> (usize, usize) {
     let r = std::env::var("RDMACOMM_RANK").unwrap().parse().unwrap();
