@@ -66,6 +66,18 @@ pub trait Communicator: Send + Sync {
         Ok(())
     }
 
+    /// Registers `buf` once and runs `f` on it: operations `f` runs on parts of `buf` send
+    /// straight from it, with no staging copy and no registration per call (NCCL's
+    /// `ncclCommRegister`, UCX's `ucp_mem_map`), and the registration ends when `f` returns, so
+    /// it cannot outlive the buffer. Beyond the spec; the default (and TCP) just runs `f`.
+    fn with_registered(
+        &self,
+        buf: &mut [u8],
+        f: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        f(buf)
+    }
+
     /// A subgroup of the ranks with the same `color`, ordered by `key` (MLX's split).
     ///
     /// The default supports only the trivial case of a world of one.

@@ -355,6 +355,33 @@ impl Communicator for Comm {
         })
     }
 
+    /// Registers `buf` with the transport (fails, without running `f`, when registering fails,
+    /// e.g. at the locked-memory limit, whose error says how to raise it, or when
+    /// [`crate::transport::rdma::MAX_REGISTERED`] buffers are registered already); the
+    /// registration ends however `f` exits, a panic included.
+    fn with_registered(
+        &self,
+        buf: &mut [u8],
+        f: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.check_usable()?;
+        let id = match self.lock().link.as_deref_mut() {
+            Some(l) => l.register(buf)?,
+            None => None,
+        };
+        /// Ends the registration however `f` exits.
+        struct Unregister<'a>(&'a Comm, Option<u64>);
+        impl Drop for Unregister<'_> {
+            fn drop(&mut self) {
+                if let (Some(id), Some(l)) = (self.1, self.0.lock().link.as_deref_mut()) {
+                    l.unregister(id);
+                }
+            }
+        }
+        let _end = Unregister(self, id);
+        f(buf)
+    }
+
     fn split(&self, color: i32, key: i32) -> Result<std::sync::Arc<dyn Communicator>> {
         Ok(std::sync::Arc::new(self.split_comm(color, key)?))
     }

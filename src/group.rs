@@ -84,6 +84,23 @@ impl Group {
         self.comm.recv(src, bytemuck::cast_slice_mut(data))
     }
 
+    /// Registers `data` once for the duration of `f`, so the collectives `f` runs on it send
+    /// straight from it (see [`Communicator::with_registered`]); returns what `f` returns.
+    pub fn with_registered<T: Element, R>(
+        &self,
+        data: &mut [T],
+        f: impl FnOnce(&mut [T]) -> Result<R>,
+    ) -> Result<R> {
+        let (mut f, mut out) = (Some(f), None);
+        self.comm
+            .with_registered(bytemuck::cast_slice_mut(data), &mut |bytes| {
+                let f = f.take().expect("called once");
+                out = Some(f(bytemuck::cast_slice_mut(bytes))?);
+                Ok(())
+            })?;
+        Ok(out.expect("ran"))
+    }
+
     /// A subgroup of the ranks with the same `color`, ordered by `key`.
     pub fn split(&self, color: i32, key: i32) -> Result<Group> {
         Ok(Group::new(self.comm.split(color, key)?))

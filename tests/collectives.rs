@@ -1,7 +1,8 @@
 //! Collectives over RDMA, multi-process: world sizes 2, 3, 4, 5, 8; every dtype with Sum and one
 //! other op; lengths 0, 1, 7, 4097 elements and 16 MiB. Results are checked element by element
 //! against an independent f64 / exact-integer reference, and bit identity across ranks is checked
-//! by all-gathering a hash of every rank's result.
+//! by all-gathering a hash of every rank's result. The registered_* tests run every collective from
+//! buffers registered once (`with_registered`), their contents changed every round.
 
 mod common;
 use common::reference::*;
@@ -173,7 +174,164 @@ fn body() {
     eprintln!("rank {r}/{n}: all checks passed");
 }
 
+/// f32 values that change every round, so a send of stale bytes (a zero-copy write that read a
+/// buffer before or after the round's contents) shows; sums stay exact.
+fn round_val(r: usize, i: usize, round: usize) -> f32 {
+    ((r + 3 * i + 5 * round) % 16) as f32
+}
+
+fn round_fill(buf: &mut [u8], r: usize, round: usize) {
+    for (i, e) in buf.chunks_mut(4).enumerate() {
+        e.copy_from_slice(&round_val(r, i, round).to_le_bytes());
+    }
+}
+
+fn round_check(buf: &[u8], n: usize, round: usize, what: &str) {
+    for (i, e) in buf.chunks(4).enumerate() {
+        let got = f32::from_le_bytes(e.try_into().unwrap());
+        let want: f32 = (0..n).map(|q| round_val(q, i, round)).sum();
+        assert_eq!(got, want, "{what}: element {i}");
+    }
+}
+
+/// Buffers registered once (`with_registered`): every collective sends straight from
+/// them; contents change each round and are checked against a scalar re-computation.
+fn body_registered() {
+    let (r, n) = rank_size();
+    let c = std::sync::Arc::new(Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}")));
+    let mut buf = vec![0u8; 8 << 20];
+    let mut other = vec![0u8; 3 << 20];
+    c.with_registered(&mut buf, &mut |buf| {
+        c.with_registered(&mut other, &mut |other| {
+            for round in 0..3 {
+                for algo in [Algo::Ring, Algo::Halving, Algo::Doubling] {
+                    c.set_algorithm(algo);
+                    let mut lens = vec![1usize, 4097, 300_001];
+                    if algo != Algo::Doubling {
+                        lens.push((1 << 20) + 7); // 4 MiB: beyond every rank's slots
+                    }
+                    for elems in lens {
+                        // Offset by a few elements: a registered range need not start a part.
+                        let part = &mut buf[12..12 + 4 * elems];
+                        round_fill(part, r, round);
+                        c.all_reduce(AllReduce::Sum, DType::f32, part).unwrap();
+                        let what = format!("registered {algo:?} all_reduce x{elems} round {round}");
+                        round_check(part, n, round, &what);
+                        same_everywhere(&c, &what, part);
+                    }
+                }
+                c.set_algorithm(Algo::Auto);
+                // all_gather into the registered buffer, from the other one.
+                let per = 4 * 70_001;
+                round_fill(&mut other[..per], r, round);
+                c.all_gather(&other[..per], &mut buf[..per * n]).unwrap();
+                for q in 0..n {
+                    let got = &buf[q * per..(q + 1) * per];
+                    for (i, e) in got.chunks(4).enumerate() {
+                        let v = f32::from_le_bytes(e.try_into().unwrap());
+                        assert_eq!(v, round_val(q, i, round), "registered all_gather: rank {q}");
+                    }
+                }
+                // broadcast from rank 1 and a ring of sends, both from registered memory.
+                let bytes = (3 << 20) - 5;
+                let pattern = |q: usize, i: usize| ((q * 31 + i * 7 + round) % 251) as u8;
+                for (i, b) in buf[..bytes].iter_mut().enumerate() {
+                    *b = if r == 1 { pattern(1, i) } else { 0 };
+                }
+                c.broadcast(1, &mut buf[..bytes]).unwrap();
+                assert!(
+                    buf[..bytes]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &b)| b == pattern(1, i)),
+                    "registered broadcast round {round}"
+                );
+                let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+                for (i, b) in other[..bytes].iter_mut().enumerate() {
+                    *b = pattern(r, i);
+                }
+                if r % 2 == 0 {
+                    c.send(to, &other[..bytes]).unwrap();
+                    c.recv(from, &mut buf[..bytes]).unwrap();
+                } else {
+                    c.recv(from, &mut buf[..bytes]).unwrap();
+                    c.send(to, &other[..bytes]).unwrap();
+                }
+                assert!(
+                    buf[..bytes]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &b)| b == pattern(from, i)),
+                    "registered recv from rank {from} round {round}"
+                );
+            }
+            Ok(())
+        })
+    })
+    .unwrap();
+    // The same memory after its registration ended, through staging again.
+    round_fill(&mut buf[..4 * 4097], r, 7);
+    c.all_reduce(AllReduce::Sum, DType::f32, &mut buf[..4 * 4097])
+        .unwrap();
+    round_check(&buf[..4 * 4097], n, 7, "after the registration ended");
+    // An empty buffer registers nothing and still runs the closure.
+    let ran = c.with_registered(&mut [], &mut |b| {
+        assert!(b.is_empty());
+        Ok(())
+    });
+    assert!(ran.is_ok(), "empty registration: {ran:?}");
+    // The typed front: Group::with_registered hands `f` the elements and returns its value.
+    let g = rdmacomm::Group::new(c.clone());
+    let mut v = vec![0f32; 100_003];
+    let total = g
+        .with_registered(&mut v, |v| {
+            for (i, e) in v.iter_mut().enumerate() {
+                *e = round_val(r, i, 9);
+            }
+            g.all_reduce(v, AllReduce::Sum)?;
+            Ok(v.iter().map(|&e| e as f64).sum::<f64>())
+        })
+        .unwrap();
+    let want: f64 = (0..v.len())
+        .map(|i| (0..n).map(|q| round_val(q, i, 9) as f64).sum::<f64>())
+        .sum();
+    assert_eq!(total, want, "Group::with_registered all_reduce");
+    // A bounded number at once over RDMA (TCP registers nothing).
+    if c.device().is_some_and(|d| d.starts_with("RDMA")) {
+        let limit = rdmacomm::transport::rdma::MAX_REGISTERED;
+        let mut small: Vec<Vec<u8>> = (0..=limit).map(|_| vec![0u8; 4096]).collect();
+        let mut depth = 0;
+        let e = nest(&c, &mut small, &mut depth).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{limit} buffers are registered")),
+            "{e}"
+        );
+        // Exactly `limit` at once: the earlier registrations (buf, other) have ended.
+        assert_eq!(
+            depth, limit,
+            "registrations that succeeded before the limit"
+        );
+    }
+    eprintln!("rank {r}/{n}: registered buffers: all checks passed");
+}
+
+/// Registers every buffer of `bufs`, nested, counting in `depth` those that succeeded.
+fn nest(c: &Comm, bufs: &mut [Vec<u8>], depth: &mut usize) -> rdmacomm::Result<()> {
+    match bufs.split_first_mut() {
+        None => Ok(()),
+        Some((first, rest)) => c.with_registered(first, &mut |_| {
+            *depth += 1;
+            nest(c, rest, depth)
+        }),
+    }
+}
+
 fn run(name: &str, n: usize, placement: Placement) {
+    let body = if name.starts_with("registered") {
+        body_registered
+    } else {
+        body
+    };
     if !parent_ready(name, body) {
         return;
     }
@@ -217,4 +375,12 @@ fn world_8() {
 #[test]
 fn world_3_across_hosts() {
     run("world_3_across_hosts", 3, Placement::Hosts);
+}
+#[test]
+fn registered_world_3() {
+    run("registered_world_3", 3, Placement::Local);
+}
+#[test]
+fn registered_world_4() {
+    run("registered_world_4", 4, Placement::Local);
 }

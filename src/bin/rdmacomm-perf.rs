@@ -23,6 +23,8 @@ struct Opts {
     coll: String,
     local: Option<usize>,
     algo: Algo,
+    /// Register the buffers once (`Communicator::with_registered`), as nccl-tests' `-R 1`.
+    register: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -51,6 +53,7 @@ fn parse() -> Result<Opts, String> {
         coll: "all_reduce".into(),
         local: None,
         algo: Algo::from_env().map_err(|e| e.to_string())?,
+        register: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -68,10 +71,11 @@ fn parse() -> Result<Opts, String> {
             "-o" | "--op" => o.op = AllReduce::parse(&v).map_err(|e| e.to_string())?,
             "--coll" => o.coll = v.clone(),
             "--algo" => o.algo = Algo::parse(&v).map_err(|e| e.to_string())?,
+            "-R" | "--register" => o.register = v != "0",
             "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
             "-h" | "--help" => {
                 println!(
-                    "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] \
+                    "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-R 0|1] \
                      [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
                      [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast] [--algo ring|halving|doubling|auto]"
                 );
@@ -250,6 +254,71 @@ fn run_once(
     Ok(wrong)
 }
 
+/// Times every size; returns the sum of the bus bandwidths.
+fn sweep(
+    c: &Comm,
+    o: &Opts,
+    sizes: &[usize],
+    bus: f64,
+    a: &mut [u8],
+    b: &mut [u8],
+) -> rdmacomm::Result<f64> {
+    let (r, s) = (c.rank(), o.dtype.size());
+    let mut sum_bus = 0.0;
+    for &bytes in sizes {
+        let mut wrong = if o.check {
+            run_once(c, o, bytes, a, b, true)?
+        } else {
+            0
+        };
+        for _ in 0..o.warmup {
+            run_once(c, o, bytes, a, b, false)?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..o.iters {
+            run_once(c, o, bytes, a, b, false)?;
+        }
+        let mut us = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+        // Slowest rank's time and total wrong count.
+        let mut t = us.to_le_bytes();
+        c.all_reduce(AllReduce::Max, DType::f64, &mut t)?;
+        us = f64::from_le_bytes(t);
+        let mut w = wrong.to_le_bytes();
+        c.all_reduce(AllReduce::Sum, DType::u64, &mut w)?;
+        wrong = u64::from_le_bytes(w);
+        let algbw = bytes as f64 / us / 1e3;
+        let busbw = algbw * bus;
+        sum_bus += busbw;
+        if r == 0 {
+            println!(
+                "  {:>10} {:>12} {:>6} {:>6} {:>11.1} {:>8.4} {:>8.4} {:>7}",
+                bytes,
+                bytes / s,
+                o.dtype.name(),
+                if o.coll == "all_reduce" {
+                    o.op.name()
+                } else {
+                    "none"
+                },
+                us,
+                algbw,
+                busbw,
+                if o.check {
+                    wrong.to_string()
+                } else {
+                    "N/A".into()
+                }
+            );
+        }
+        if wrong > 0 {
+            return Err(rdmacomm::Error::InvalidArgument(format!(
+                "{wrong} wrong elements at {bytes} bytes"
+            )));
+        }
+    }
+    Ok(sum_bus)
+}
+
 fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     let c = Comm::from_env()?;
     c.set_algorithm(o.algo);
@@ -291,58 +360,18 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
             "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", ""
         );
     }
-    let mut sum_bus = 0.0;
-    for &bytes in &sizes {
-        let mut wrong = if o.check {
-            run_once(&c, o, bytes, &mut a, &mut b, true)?
-        } else {
-            0
-        };
-        for _ in 0..o.warmup {
-            run_once(&c, o, bytes, &mut a, &mut b, false)?;
-        }
-        let t0 = Instant::now();
-        for _ in 0..o.iters {
-            run_once(&c, o, bytes, &mut a, &mut b, false)?;
-        }
-        let mut us = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
-        // Slowest rank's time and total wrong count.
-        let mut t = us.to_le_bytes();
-        c.all_reduce(AllReduce::Max, DType::f64, &mut t)?;
-        us = f64::from_le_bytes(t);
-        let mut w = wrong.to_le_bytes();
-        c.all_reduce(AllReduce::Sum, DType::u64, &mut w)?;
-        wrong = u64::from_le_bytes(w);
-        let algbw = bytes as f64 / us / 1e3;
-        let busbw = algbw * bus;
-        sum_bus += busbw;
-        if r == 0 {
-            println!(
-                "  {:>10} {:>12} {:>6} {:>6} {:>11.1} {:>8.4} {:>8.4} {:>7}",
-                bytes,
-                bytes / s,
-                o.dtype.name(),
-                if o.coll == "all_reduce" {
-                    o.op.name()
-                } else {
-                    "none"
-                },
-                us,
-                algbw,
-                busbw,
-                if o.check {
-                    wrong.to_string()
-                } else {
-                    "N/A".into()
-                }
-            );
-        }
-        if wrong > 0 {
-            return Err(rdmacomm::Error::InvalidArgument(format!(
-                "{wrong} wrong elements at {bytes} bytes"
-            )));
-        }
-    }
+    let sum_bus = if o.register {
+        let mut sum = 0.0;
+        c.with_registered(&mut a, &mut |a| {
+            c.with_registered(&mut b, &mut |b| {
+                sum = sweep(&c, o, &sizes, bus, a, b)?;
+                Ok(())
+            })
+        })?;
+        sum
+    } else {
+        sweep(&c, o, &sizes, bus, &mut a, &mut b)?
+    };
     if r == 0 {
         println!(
             "# Avg bus bandwidth    : {:.4} GB/s",

@@ -1,4 +1,4 @@
-//! Collective algorithms over a [`Link`](crate::transport::Link); they know nothing of RDMA.
+//! Collective algorithms over a [`crate::transport::Link`]; they know nothing of RDMA.
 
 pub mod bcast;
 pub mod halving;

@@ -53,6 +53,16 @@ pub trait Link {
     /// until [`Link::release`]; a transport may register it or ignore it. While lent, a range
     /// that was posted must not be written before [`Link::settle`] on it returns.
     fn lend(&mut self, _buf: &[u8]) {}
+    /// Registers `buf` for zero-copy sends across operations, until [`Link::unregister`] with
+    /// the returned id (`None` where the transport has nothing to register: TCP). Posts from
+    /// inside it then send straight from it, so until then it must stay allocated and in
+    /// place, or later sends from its addresses carry the old pages' bytes (a registration
+    /// pins them: stale, never freed memory). [`crate::Communicator::with_registered`] scopes this.
+    fn register(&mut self, _buf: &[u8]) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// Ends a registration made by [`Link::register`] (between operations).
+    fn unregister(&mut self, _id: u64) {}
     /// Waits (bounded by the timeout) until no send still in flight reads from `range`.
     fn settle(&mut self, _range: &[u8]) -> Result<()> {
         Ok(())

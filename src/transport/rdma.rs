@@ -20,6 +20,9 @@
 //!   writes reading it completed ([`Link::settle`]), and the registration ends with the
 //!   operation. (Not cached across calls: without memory hooks a cache keyed by address would
 //!   send stale pages after the caller frees and reallocates.)
+//! - Registered buffers ([`Link::register`], scoped by `Communicator::with_registered`): the
+//!   same zero-copy path for every chunk above [`MAX_INLINE`] posted from inside one, with no
+//!   registration per operation; at most [`MAX_REGISTERED`] at once.
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
@@ -52,6 +55,8 @@ const KIND_PROBE: u64 = 3;
 /// ties with staging (busbw within 2-8% either way; rxe copies every packet anyway), and on an
 /// HCA registering per call costs about what the copy it saves does. Opt in where it wins.
 const ZERO_COPY_MIN: usize = 0;
+/// Most buffers registered at once with one communicator ([`Link::register`]).
+pub const MAX_REGISTERED: usize = 64;
 
 fn wr_id(kind: u64, peer: usize, index: u64) -> u64 {
     (kind << 62) | ((peer as u64) << 48) | (index & 0xffff_ffff_ffff)
@@ -122,6 +127,9 @@ pub struct RdmaTransport {
     peers: Vec<Option<PeerState>>,
     /// The buffer the current operation lent for zero-copy sends, registered.
     lent: Option<LentRegion>,
+    /// Buffers registered across operations ([`Link::register`]), by id.
+    registered: Vec<(u64, LentRegion)>,
+    next_registration: u64,
     /// Zero-copy writes in flight: (peer, chunk number, source start, source end).
     zc: VecDeque<(usize, u64, usize, usize)>,
     /// Smallest buffer worth registering for one operation (0: never).
@@ -280,6 +288,8 @@ impl RdmaTransport {
         Ok(RdmaTransport {
             peers,
             lent: None,
+            registered: Vec::new(),
+            next_registration: 0,
             zc: VecDeque::with_capacity(n * cfg.slots),
             zc_min,
             cq,
@@ -592,9 +602,20 @@ impl Link for RdmaTransport {
         if k >= credits + slots || k >= st.send_done + slots || !sq_room {
             return Ok(false);
         }
-        let (local, zero_copy) = match &self.lent {
-            Some(r) if r.contains(data) => ((r.lkey(), data.as_ptr() as u64), true),
-            _ => {
+        let region = match &self.lent {
+            Some(r) if r.contains(data) => Some(r),
+            // A registered buffer sends straight from memory, but a chunk small enough to go
+            // inline is copied at post time and needs no settling.
+            _ if data.len() > MAX_INLINE as usize => self
+                .registered
+                .iter()
+                .map(|(_, r)| r)
+                .find(|r| r.contains(data)),
+            _ => None,
+        };
+        let (local, zero_copy) = match region {
+            Some(r) => ((r.lkey(), data.as_ptr() as u64), true),
+            None => {
                 let off = self.layout.send_off(p, k);
                 self.buf.slice_mut(off, data.len()).copy_from_slice(data);
                 ((self.buf.lkey(), self.buf.addr() + off as u64), false)
@@ -672,13 +693,41 @@ impl Link for RdmaTransport {
 
     fn lend(&mut self, buf: &[u8]) {
         debug_assert!(self.lent.is_none() && self.zc.is_empty());
-        if self.zc_min == 0 || buf.len() < self.zc_min {
+        if self.zc_min == 0
+            || buf.len() < self.zc_min
+            || self.registered.iter().any(|(_, r)| r.contains(buf))
+        {
             return;
         }
         // SAFETY: the caller's buffer outlives the lending (release() drops the registration
         // before the operation returns), and no WR uses its lkey after release().
         // A failed registration (e.g. the locked-memory limit) only means copying.
         self.lent = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }.ok();
+    }
+
+    fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
+        if buf.is_empty() {
+            return Ok(None); // nothing to send from (and verbs refuse an empty region)
+        }
+        if self.registered.len() >= MAX_REGISTERED {
+            return Err(Error::InvalidArgument(format!(
+                "{MAX_REGISTERED} buffers are registered with this communicator already: \
+                 register fewer at once (one large buffer can hold several tensors)"
+            )));
+        }
+        // SAFETY: the device only reads this memory (sends from it) and the registration pins
+        // its pages until `unregister`, so even a caller that broke the contract (freed `buf`
+        // early) gets stale bytes sent, never freed memory touched; `unregister` runs between
+        // operations, after `finish` completed their zero-copy writes.
+        let region = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }?;
+        let id = self.next_registration;
+        self.next_registration += 1;
+        self.registered.push((id, region));
+        Ok(Some(id))
+    }
+
+    fn unregister(&mut self, id: u64) {
+        self.registered.retain(|(i, _)| *i != id);
     }
 
     fn settle(&mut self, range: &[u8]) -> Result<()> {
