@@ -9,11 +9,12 @@
 //! - w may post chunk k only when r has consumed chunk k-S: r reports its consumed count by an
 //!   8-byte inline RDMA WRITE into w's credit word for r once S/2 chunks went unreported (a data
 //!   write from r to w reports them too, so exchanges between two ranks need no credit writes);
-//! - w reuses its staging slot `k % S` only after the write of chunk k-S completed.
+//! - w reuses its staging slot `k % S` only after the write of chunk k-S completed, or at once
+//!   for a chunk sent inline (its bytes were copied into the work request when posted).
 //! - Writes that need nothing after they are posted (credit words, and data of at most
-//!   [`MAX_INLINE`] bytes, both copied at post time) go unsignaled, at most
-//!   `min(S/2, 8)` in a row: the completion of a later signaled write (RC completes in order)
-//!   retires them, and among any S writes one is signaled, so a staging slot always frees.
+//!   [`MAX_INLINE`] bytes, both copied at post time) go unsignaled, at most [`QUIET_MAX`] in a
+//!   row: the completion of a later signaled write (RC completes in order) retires them, and
+//!   the send queue has room for that many and the chunks that hold slots.
 //! - Zero copy (opt-in): while an operation lends a buffer of at least `RDMACOMM_ZERO_COPY_MIN` bytes
 //!   ([`Link::lend`]), it is registered for that operation and chunks posted from it are
 //!   written straight from it, skipping the staging slot; a range is not landed into before the
@@ -55,6 +56,11 @@ const KIND_PROBE: u64 = 3;
 /// ties with staging (busbw within 2-8% either way; rxe copies every packet anyway), and on an
 /// HCA registering per call costs about what the copy it saves does. Opt in where it wins.
 const ZERO_COPY_MIN: usize = 0;
+/// Most unsignaled writes in a row (each signaled completion costs the device a completion
+/// entry and the poller a read).
+pub const QUIET_MAX: u32 = 8;
+/// `chunk_wr` of a chunk whose staging slot is free once posted (sent inline).
+const FREE_AT_POST: u64 = u64::MAX;
 /// Most buffers registered at once with one communicator ([`Link::register`]).
 pub const MAX_REGISTERED: usize = 64;
 
@@ -94,6 +100,20 @@ struct PeerState {
     lens: Vec<u32>,
     /// When the outstanding health probe (a zero-byte RDMA write) was posted.
     probe: Option<Instant>,
+}
+
+impl PeerState {
+    /// Advances `send_done` over the chunks, in order, whose staging slots are free: written
+    /// (their WR completed) or sent inline.
+    fn retire_sends(&mut self, slots: u64) {
+        while self.send_done < self.sent {
+            let wr = self.chunk_wr[(self.send_done % slots) as usize];
+            if wr != FREE_AT_POST && wr >= self.wr_done {
+                break;
+            }
+            self.send_done += 1;
+        }
+    }
 }
 
 /// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then credits.
@@ -447,11 +467,7 @@ impl RdmaTransport {
                 _ => {
                     // Every WR up to this one is done (in order), signaled or not.
                     st.wr_done = st.wr_done.max(index + 1);
-                    while st.send_done < st.sent
-                        && st.chunk_wr[(st.send_done % slots) as usize] < st.wr_done
-                    {
-                        st.send_done += 1;
-                    }
+                    st.retire_sends(slots);
                     if kind == KIND_PROBE {
                         st.probe = None;
                     }
@@ -488,11 +504,10 @@ impl RdmaTransport {
         imm: Option<u32>,
         quiet: bool,
     ) -> Result<()> {
-        let quiet_max = (self.layout.slots as u32 / 2).clamp(1, 8);
         let st = self.peers[p].as_mut().expect("no link to self");
         // A WR that needs nothing after posting may go unsignaled (see the module notes).
         let fire_and_forget = kind == KIND_CREDIT || (kind == KIND_DATA && quiet);
-        let signaled = !fire_and_forget || st.unsignaled >= quiet_max;
+        let signaled = !fire_and_forget || st.unsignaled >= QUIET_MAX;
         let id = wr_id(kind, p, st.wr_posted);
         let remote_addr = st.remote.addr + remote_off as u64;
         // SAFETY: the local range lies in our registered buffer (off/len from the layout), which
@@ -627,7 +642,7 @@ impl Link for RdmaTransport {
         let consumed = st.consumed;
         let quiet = !zero_copy && data.len() <= MAX_INLINE as usize;
         let wr = self.state(p).wr_posted;
-        self.state(p).chunk_wr[(k % slots) as usize] = wr;
+        self.state(p).chunk_wr[(k % slots) as usize] = if quiet { FREE_AT_POST } else { wr };
         self.post_from(
             p,
             KIND_DATA,
@@ -644,8 +659,10 @@ impl Link for RdmaTransport {
             let a = data.as_ptr() as usize;
             self.zc.push_back((p, k, a, a + data.len()));
         }
-        self.state(p).returned = consumed;
-        self.state(p).sent += 1;
+        let st = self.state(p);
+        st.returned = consumed;
+        st.sent += 1;
+        st.retire_sends(slots);
         self.made_progress();
         // Look at the completion queue (a user-space read) after every post, so a caller that
         // keeps posting still sees, and takes, what arrived meanwhile (on rxe a post takes long
