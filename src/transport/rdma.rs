@@ -553,15 +553,13 @@ impl RdmaTransport {
             .retain(|&(p, k, ..)| peers[p].as_ref().is_some_and(|s| s.send_done <= k));
     }
 
-    /// Waits (bounded) until every posted write has completed, e.g. before teardown.
+    /// Waits (bounded) until every posted work request has completed, e.g. before teardown.
     pub fn flush(&mut self) -> Result<()> {
         self.begin();
-        // A signaled probe behind any unsignaled tail, so its completion retires the tail.
+        // A signaled probe behind any unsignaled tail, so its completion retires the tail
+        // (inline writes free their slots when posted, so only completions show they landed).
         for p in 0..self.peers.len() {
-            if self.peers[p]
-                .as_ref()
-                .is_some_and(|s| s.unsignaled > 0 && s.probe.is_none())
-            {
+            if self.peers[p].as_ref().is_some_and(|s| s.unsignaled > 0) {
                 self.post(p, KIND_PROBE, 0, 0, 0, None)?;
                 self.state(p).probe = Some(Instant::now());
             }
@@ -570,7 +568,7 @@ impl RdmaTransport {
             let pending = (0..self.peers.len()).find(|&p| {
                 self.peers[p]
                     .as_ref()
-                    .is_some_and(|s| s.wr_done < s.wr_posted && s.send_done < s.sent)
+                    .is_some_and(|s| s.wr_done < s.wr_posted)
             });
             match pending {
                 None => return Ok(()),
