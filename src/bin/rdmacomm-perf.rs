@@ -343,13 +343,20 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     };
     if r == 0 {
         println!(
-            "# rdmacomm-perf: {} ranks, {}, {} {} {}, algo {:?}",
+            "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}{}",
+            env!("CARGO_PKG_VERSION"),
+            env!("RDMACOMM_BUILD"),
             n,
             c.device().unwrap_or_else(|| "no transport (1 rank)".into()),
             o.coll,
             o.dtype.name(),
             o.op.name(),
-            o.algo
+            o.algo,
+            if o.register {
+                ", buffers registered"
+            } else {
+                ""
+            }
         );
         println!(
             "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>8} {:>8} {:>7}",
