@@ -13,7 +13,12 @@ fn git(args: &[&str]) -> Option<String> {
 }
 
 fn main() {
-    let build = match git(&["rev-parse", "--short=12", "HEAD"]) {
+    // Only this crate's own checkout (not a repository it was vendored into).
+    let own = std::path::Path::new(".git").exists();
+    let build = match own
+        .then(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .flatten()
+    {
         Some(hash) => {
             let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
                 .is_some_and(|s| !s.is_empty());

@@ -326,12 +326,7 @@ fn nest(c: &Comm, bufs: &mut [Vec<u8>], depth: &mut usize) -> rdmacomm::Result<(
     }
 }
 
-fn run(name: &str, n: usize, placement: Placement) {
-    let body = if name.starts_with("registered") {
-        body_registered
-    } else {
-        body
-    };
+fn run(name: &str, n: usize, placement: Placement, body: fn()) {
     if !parent_ready(name, body) {
         return;
     }
@@ -354,33 +349,33 @@ fn run(name: &str, n: usize, placement: Placement) {
 
 #[test]
 fn world_2() {
-    run("world_2", 2, Placement::Local);
+    run("world_2", 2, Placement::Local, body);
 }
 #[test]
 fn world_3() {
-    run("world_3", 3, Placement::Local);
+    run("world_3", 3, Placement::Local, body);
 }
 #[test]
 fn world_4() {
-    run("world_4", 4, Placement::Local);
+    run("world_4", 4, Placement::Local, body);
 }
 #[test]
 fn world_5() {
-    run("world_5", 5, Placement::Local);
+    run("world_5", 5, Placement::Local, body);
 }
 #[test]
 fn world_8() {
-    run("world_8", 8, Placement::Local);
+    run("world_8", 8, Placement::Local, body);
 }
 #[test]
 fn world_3_across_hosts() {
-    run("world_3_across_hosts", 3, Placement::Hosts);
+    run("world_3_across_hosts", 3, Placement::Hosts, body);
 }
 #[test]
 fn registered_world_3() {
-    run("registered_world_3", 3, Placement::Local);
+    run("registered_world_3", 3, Placement::Local, body_registered);
 }
 #[test]
 fn registered_world_4() {
-    run("registered_world_4", 4, Placement::Local);
+    run("registered_world_4", 4, Placement::Local, body_registered);
 }

@@ -553,6 +553,16 @@ impl RdmaTransport {
             .retain(|&(p, k, ..)| peers[p].as_ref().is_some_and(|s| s.send_done <= k));
     }
 
+    /// Registers `buf` as a source of zero-copy sends (a lending or a registration).
+    fn register_source(&self, buf: &[u8]) -> Result<LentRegion> {
+        // SAFETY: the device only reads this memory (sends from it) and the registration pins
+        // its pages while it lives, so a buffer freed too early gets stale bytes sent, never
+        // freed memory touched. Its key is used only while it lives: a lending ends in
+        // release(), a registration in unregister(), both between operations, after finish()
+        // completed their writes (after a failure, a WR still using it fails locally).
+        unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }
+    }
+
     /// Waits (bounded) until every posted work request has completed, e.g. before teardown.
     pub fn flush(&mut self) -> Result<()> {
         self.begin();
@@ -714,10 +724,8 @@ impl Link for RdmaTransport {
         {
             return;
         }
-        // SAFETY: the caller's buffer outlives the lending (release() drops the registration
-        // before the operation returns), and no WR uses its lkey after release().
         // A failed registration (e.g. the locked-memory limit) only means copying.
-        self.lent = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }.ok();
+        self.lent = self.register_source(buf).ok();
     }
 
     fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
@@ -730,11 +738,7 @@ impl Link for RdmaTransport {
                  register fewer at once (one large buffer can hold several tensors)"
             )));
         }
-        // SAFETY: the device only reads this memory (sends from it) and the registration pins
-        // its pages until `unregister`, so even a caller that broke the contract (freed `buf`
-        // early) gets stale bytes sent, never freed memory touched; `unregister` runs between
-        // operations, after `finish` completed their zero-copy writes.
-        let region = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }?;
+        let region = self.register_source(buf)?;
         let id = self.next_registration;
         self.next_registration += 1;
         self.registered.push((id, region));
