@@ -1,7 +1,13 @@
 //! The TCP transport: the same [`Link`] over a full mesh of non-blocking TCP connections, for
-//! hosts without RDMA. Chunks are length-prefixed; flow control is a bounded queue of unsent
-//! chunks per peer (like the RDMA transport's slots) and TCP's own window. Failures and health
-//! use the same side channel as RDMA.
+//! hosts without RDMA. Flow control is a bounded queue of unsent chunks per peer (like the RDMA
+//! transport's slots) and TCP's own window. Failures and health use the same side channel as
+//! RDMA.
+//!
+//! Framing: a chunk travels as a [`HDR`]-byte header (its length, little-endian u32, then
+//! zeros), the payload, and zeros up to a multiple of 64 bytes. Every frame is a multiple of 64
+//! bytes, so a payload starts 64-byte aligned in the sender's socket pages as well as in the
+//! stream, and the kernel's copies into and out of those pages run at full speed (a 4-byte
+//! header left them misaligned: 15-25% slower from 512 KiB, see [`HDR`]).
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
@@ -38,16 +44,30 @@ impl OutQueue {
         }
     }
 
-    /// Keeps what is left of a chunk (`header`, then `data`) after `done` of its bytes were
-    /// written.
-    fn keep_rest(&mut self, header: &[u8], data: &[u8], done: usize) {
-        if done < header.len() {
-            self.buf.extend_from_slice(&header[done..]);
-            self.buf.extend_from_slice(data);
-        } else {
-            self.buf.extend_from_slice(&data[done - header.len()..]);
+    /// Keeps what is left of a frame (`parts` in order) after `done` of its bytes were written.
+    fn keep_rest(&mut self, parts: &[&[u8]], mut done: usize) {
+        for part in parts {
+            let skip = done.min(part.len());
+            self.buf.extend_from_slice(&part[skip..]);
+            done -= skip;
         }
     }
+}
+
+/// Bytes of a frame's header: the payload's length (u32, little-endian), then zeros. 64, so that
+/// payloads start 64-byte aligned in the socket's pages. Measured on loopback, 2 ranks, minima of
+/// 8 alternating runs, all_reduce, 64-byte vs 4-byte header (chunks of 65408 and 65472 bytes, each
+/// filling one segment with its header): 512 KiB 147 vs 173 us, 1 MiB 217 vs 232, 2 MiB 372 vs
+/// 440, 4 MiB 747 vs 1024 (a 4-byte header with 65408-byte chunks: as slow as the 4-byte one);
+/// the alignment of the user's buffer made no difference.
+const HDR: usize = 64;
+
+/// Zeros that pad a frame to a multiple of 64 bytes.
+const PAD: [u8; 64] = [0; 64];
+
+/// Zero bytes after a `len`-byte payload.
+fn pad(len: usize) -> usize {
+    len.next_multiple_of(64) - len
 }
 
 /// Bytes received on one connection and not yet taken, in a buffer of fixed capacity that is
@@ -75,7 +95,7 @@ impl InQueue {
     /// The length of the next chunk, once its header is here; an error if it exceeds `max`.
     fn next_len(&self, max: usize) -> std::result::Result<Option<usize>, String> {
         let p = self.pending();
-        if p.len() < 4 {
+        if p.len() < HDR {
             return Ok(None);
         }
         let len = u32::from_le_bytes(p[..4].try_into().expect("4 bytes")) as usize;
@@ -122,7 +142,8 @@ enum Direct {
     /// The caller waits for the next chunk to land in its buffer: the pump leaves the socket
     /// alone so that the payload is read once, into its destination.
     Armed,
-    /// The chunk's header is consumed and this many of its `len` bytes are placed.
+    /// The chunk's header is consumed and this many of its `len` bytes and padding after them
+    /// are read.
     Placing { placed: usize, len: usize },
 }
 
@@ -310,7 +331,7 @@ impl TcpTransport {
                     Some(Conn {
                         sock: s,
                         out: OutQueue::default(),
-                        inp: InQueue::new(4 * (chunk + 4)),
+                        inp: InQueue::new(4 * (chunk + HDR)),
                         direct: Direct::Off,
                         closed: false,
                     })
@@ -357,7 +378,7 @@ impl TcpTransport {
     /// [`Self::pump`] for one peer's connection: writes what is queued, then reads straight
     /// into the receive buffer while the socket has bytes and the buffer has room.
     fn pump_one(&mut self, p: usize) -> Result<bool> {
-        let want = 4 + self.max_chunk;
+        let want = HDR + self.max_chunk;
         let Some(c) = self.conns[p].as_mut() else {
             return Ok(false);
         };
@@ -495,18 +516,20 @@ impl Link for TcpTransport {
             return Ok(false);
         }
         self.pacer.progress();
-        let header = (data.len() as u32).to_le_bytes();
+        let mut header = [0u8; HDR];
+        header[..4].copy_from_slice(&(data.len() as u32).to_le_bytes());
+        let parts = [&header[..], data, &PAD[..pad(data.len())]];
         let mut done = 0;
         // Write straight from the caller's buffer; only what the socket does not take now is
         // copied.
-        let iov = [IoSlice::new(&header), IoSlice::new(data)];
+        let iov = parts.map(IoSlice::new);
         match c.sock.write_vectored(&iov) {
             Ok(k) => done = k,
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
             Err(e) => return Err(self.fail(p, format!("TCP send failed: {e}"))),
         }
-        if done < header.len() + data.len() {
-            c.out.keep_rest(&header, data, done);
+        if done < parts.iter().map(|x| x.len()).sum() {
+            c.out.keep_rest(&parts, done);
         }
         Ok(true)
     }
@@ -530,11 +553,12 @@ impl Link for TcpTransport {
         };
         let c = self.conns[p].as_mut().expect("present");
         let avail = c.inp.pending();
-        if avail.len() < 4 + len {
+        let frame = HDR + len + pad(len);
+        if avail.len() < frame {
             return Ok(false);
         }
-        f(&avail[4..4 + len])?;
-        c.inp.consume(4 + len);
+        f(&avail[HDR..HDR + len])?;
+        c.inp.consume(frame);
         self.pacer.progress();
         Ok(true)
     }
@@ -543,30 +567,37 @@ impl Link for TcpTransport {
         let max = self.max_chunk;
         let c = self.conns[p].as_mut().expect("no link to self");
         let mut err = None;
-        // Payload bytes read into `dst` together with the header.
+        // The frame's zero padding after the payload, read and dropped.
+        let mut sink = [0u8; 64];
+        let tail = pad(dst.len());
+        // Payload and padding bytes read into place together with the header.
         let mut early = 0;
         if let Direct::Off | Direct::Armed = c.direct {
             // The header: from the receive buffer; or, when nothing is buffered and the chunk
-            // is large, read in one readv with as much payload as has arrived, straight into
-            // place (a header that then disagrees with `dst` is an error either way); or read
-            // with at most 4 KiB of payload (all of a small chunk in one read).
+            // is large, read in one readv with as much payload (and padding) as has arrived,
+            // straight into place (a header that then disagrees with `dst` is an error either
+            // way); or read with at most 4 KiB of payload (all of a small chunk in one read).
             let have = c.inp.pending().len();
-            if have < 4 && !c.closed {
-                let room = c.inp.room(4 + max);
-                let vectored = have == 0 && dst.len() > DIRECT_PEEK && room.len() >= 4;
+            if have < HDR && !c.closed {
+                let room = c.inp.room(HDR + max);
+                let vectored = have == 0 && dst.len() > DIRECT_PEEK && room.len() >= HDR;
                 let got = if vectored {
-                    let (head, _) = room.split_at_mut(4);
-                    let mut iov = [IoSliceMut::new(head), IoSliceMut::new(dst)];
+                    let (head, _) = room.split_at_mut(HDR);
+                    let mut iov = [
+                        IoSliceMut::new(head),
+                        IoSliceMut::new(dst),
+                        IoSliceMut::new(&mut sink[..tail]),
+                    ];
                     c.sock.read_vectored(&mut iov)
                 } else {
-                    let n = (4 + DIRECT_PEEK - have).min(room.len());
+                    let n = (HDR + DIRECT_PEEK - have).min(room.len());
                     c.sock.read(&mut room[..n])
                 };
                 match got {
                     Ok(0) => c.closed = true,
                     Ok(k) if vectored => {
-                        c.inp.end += k.min(4);
-                        early = k.saturating_sub(4);
+                        c.inp.end += k.min(HDR);
+                        early = k.saturating_sub(HDR);
                     }
                     Ok(k) => c.inp.end += k,
                     Err(e)
@@ -592,10 +623,12 @@ impl Link for TcpTransport {
                 c.direct = Direct::Off;
                 return Err(Error::length_mismatch(len, dst.len(), p));
             }
-            // What already sits in the receive buffer is copied; the rest is read in place.
-            let k = (avail.len() - 4).min(len);
-            dst[..k].copy_from_slice(&avail[4..4 + k]);
-            c.inp.consume(4 + k);
+            // What already sits in the receive buffer is copied (its padding dropped); the
+            // rest is read in place.
+            let k = (avail.len() - HDR).min(len + tail);
+            let copied = k.min(len);
+            dst[..copied].copy_from_slice(&avail[HDR..HDR + copied]);
+            c.inp.consume(HDR + k);
             c.direct = Direct::Placing {
                 placed: k + early,
                 len,
@@ -609,8 +642,18 @@ impl Link for TcpTransport {
             return Err(Error::length_mismatch(len, dst.len(), p));
         }
         let was = placed;
-        while placed < len && !c.closed {
-            match c.sock.read(&mut dst[placed..]) {
+        let frame = len + tail;
+        while placed < frame && !c.closed {
+            let got = if placed < len {
+                let mut iov = [
+                    IoSliceMut::new(&mut dst[placed..]),
+                    IoSliceMut::new(&mut sink[..tail]),
+                ];
+                c.sock.read_vectored(&mut iov)
+            } else {
+                c.sock.read(&mut sink[placed - len..tail])
+            };
+            match got {
                 Ok(0) => c.closed = true,
                 Ok(k) => placed += k,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -628,7 +671,7 @@ impl Link for TcpTransport {
             self.pacer.progress();
         }
         let c = self.conns[p].as_mut().expect("present");
-        if placed < len {
+        if placed < frame {
             c.direct = Direct::Placing { placed, len };
             return Ok(false);
         }
@@ -645,7 +688,7 @@ impl Link for TcpTransport {
         }
         if self.conns[waiting_on]
             .as_ref()
-            .is_some_and(|c| c.closed && c.inp.pending().len() < 4)
+            .is_some_and(|c| c.closed && c.inp.pending().len() < HDR)
         {
             return Err(self.fail(waiting_on, "its data connection closed".into()));
         }
@@ -701,18 +744,18 @@ impl Drop for TcpTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::{InQueue, OutQueue};
+    use super::{pad, InQueue, OutQueue, HDR};
 
     #[test]
     fn out_queue_keeps_exactly_the_unwritten_rest() {
-        let (header, data) = (7u32.to_le_bytes(), *b"abcdefg");
-        for done in 0..=header.len() + data.len() {
+        let (header, data, tail) = (7u32.to_le_bytes(), *b"abcdefg", [0u8; 3]);
+        let parts = [&header[..], &data[..], &tail[..]];
+        let want = parts.concat();
+        for done in 0..=want.len() {
             let mut q = OutQueue::default();
-            if done < 11 {
-                q.keep_rest(&header, &data, done);
+            if done < want.len() {
+                q.keep_rest(&parts, done);
             }
-            let mut want = header.to_vec();
-            want.extend_from_slice(&data);
             assert_eq!(
                 &q.buf[q.head..],
                 &want[done..],
@@ -720,6 +763,15 @@ mod tests {
             );
             q.advance(q.buf.len() - q.head);
             assert!(q.is_empty() && q.buf.is_empty() && q.head == 0);
+        }
+    }
+
+    #[test]
+    fn frames_are_whole_multiples_of_64_bytes() {
+        for len in [0, 1, 8, 63, 64, 65, 4096, 65407, 65408] {
+            let frame = HDR + len + pad(len);
+            assert_eq!(frame % 64, 0, "{len}-byte payload");
+            assert!(pad(len) < 64, "{len}-byte payload");
         }
     }
 
