@@ -9,7 +9,9 @@ use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 const MAGIC: u32 = 0x5244_4d43; // "RDMC"
-const VERSION: u16 = 1;
+/// The wire protocol's version (2: TCP frames of whole 64-byte multiples), checked at the
+/// rendezvous so that mixed builds fail with a clear error instead of misreading each other.
+const VERSION: u16 = 2;
 const HELLO: u8 = 1;
 const REJECT: u8 = 2;
 const TABLE: u8 = 3;
