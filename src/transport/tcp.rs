@@ -492,11 +492,12 @@ impl Link for TcpTransport {
     }
 
     fn doubling_max(&self) -> usize {
-        // Two ranks: one exchange of the whole vector beats two half-size rounds up to here
-        // (loopback, medians of 5 alternating runs, doubling vs halving: 128 KiB 86 vs 96 us,
-        // 256 KiB 116 vs 151 us, 512 KiB 180 vs 221 us; 1 MiB loses, 470 vs 328 us).
+        // Two ranks: one exchange of the whole vector beats or ties two half-size rounds up to
+        // here (loopback, alternating runs, doubling vs halving, quiet host: 128 KiB 46 vs
+        // 48-50 us, 256 KiB 81-84 vs 82-85; 512 KiB loses, 150-154 vs 137-138, and 372-388 vs
+        // 358-375 while the host ran slow).
         if self.n == 2 {
-            512 << 10
+            256 << 10
         } else {
             crate::comm::DOUBLING_MAX_BYTES
         }
