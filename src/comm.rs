@@ -297,10 +297,22 @@ impl Communicator for Comm {
         let algo = self.algorithm();
         self.with_link(|l, scratch| {
             l.lend(data);
-            match algo.choose(l.size(), data.len(), l.doubling_max()) {
-                Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, data, scratch),
-                Algo::Halving => halving::all_reduce_halving(l, op, dtype, data, scratch),
-                _ => ring::all_reduce(l, op, dtype, data),
+            // Whole elements per slice; each slice is an all_reduce of its own, its algorithm
+            // chosen by its size, so every rank still gets the same bits, run to run.
+            let es = dtype.size();
+            let slice = (l.slice_bytes() / es).max(1) * es;
+            let mut rest = data;
+            loop {
+                let (part, tail) = rest.split_at_mut(rest.len().min(slice));
+                match algo.choose(l.size(), part.len(), l.doubling_max()) {
+                    Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, part, scratch)?,
+                    Algo::Halving => halving::all_reduce_halving(l, op, dtype, part, scratch)?,
+                    _ => ring::all_reduce(l, op, dtype, part)?,
+                }
+                if tail.is_empty() {
+                    return Ok(());
+                }
+                rest = tail;
             }
         })
     }

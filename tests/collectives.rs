@@ -95,6 +95,15 @@ fn body() {
         }
     }
     c.set_algorithm(Algo::Auto);
+    // A buffer the transport may run in slices (TCP: 2 MiB), the last one short.
+    let elems = (5 << 20) / 4 + 3;
+    let mut data = fill(DType::f32, AllReduce::Sum, r, elems);
+    c.all_reduce(AllReduce::Sum, DType::f32, &mut data)
+        .unwrap_or_else(|e| panic!("rank {r}: all_reduce of 5 MiB + 12 B: {e}"));
+    if let Err(e) = check_all_reduce(DType::f32, AllReduce::Sum, n, &data) {
+        panic!("rank {r}: auto all_reduce f32 sum x{elems} on {n} ranks: {e}");
+    }
+    same_everywhere(&c, "auto all_reduce of 5 MiB + 12 B", &data);
     // all_gather
     for bytes in [0usize, 1, 7, 4097 * 4, (1 << 20) + 3] {
         let input: Vec<u8> = (0..bytes).map(|i| (int_val(r, i) & 0xff) as u8).collect();

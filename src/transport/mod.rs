@@ -29,6 +29,12 @@ pub trait Link {
     fn doubling_max(&self) -> usize {
         crate::comm::DOUBLING_MAX_BYTES
     }
+    /// The largest all_reduce (bytes) run in one piece over this link: a larger one runs as
+    /// consecutive all_reduces of at most this many bytes, each finished while its data is
+    /// still in the cache (NCCL loops over its buffer in slices alike). Unbounded by default.
+    fn slice_bytes(&self) -> usize {
+        usize::MAX
+    }
     /// Whether a collective should try a take after every post instead of posting while it
     /// can: true where taking returns the credits a peer's next posts wait for (RDMA).
     fn take_between_posts(&self) -> bool {
