@@ -511,8 +511,8 @@ impl Link for TcpTransport {
         // are sent on, where one pass over a larger buffer reads them back from memory.
         // Loopback, alternating runs, 2 ranks, unsliced vs 2 MiB slices: 8 MiB 2.4-2.8 vs
         // 2.0-2.2 ms, 16 MiB 6.0-6.2 vs 4.1-5.1, 32 MiB 15.6-15.8 vs 8.7-11.5; 4 MiB alike
-        // (0.81-0.90 vs 0.78-0.95); 4 ranks 16 MiB 21-26 vs 15 ms, 32 MiB 54-58 vs 27. 1 MiB
-        // slices measured alike at 2 ranks.
+        // (0.81-0.90 vs 0.78-0.95); 4 ranks (three rounds, one slow) 16 MiB 21-26 vs 15-28 ms,
+        // 32 MiB 54-58 vs 27-44. 1 MiB slices measured alike at 2 ranks, 4 MiB slices slower.
         SLICE
     }
 
