@@ -322,11 +322,11 @@ impl Communicator for Comm {
         let n = input.len();
         if self.size == 1 {
             self.check_usable()?;
-            output.copy_from_slice(input);
+            crate::copy::copy(output, input);
             return Ok(());
         }
         self.with_link(|l, _| {
-            output[l.rank() * n..(l.rank() + 1) * n].copy_from_slice(input);
+            crate::copy::copy(&mut output[l.rank() * n..(l.rank() + 1) * n], input);
             l.lend(output);
             ring::all_gather(l, output)
         })
@@ -349,7 +349,7 @@ impl Communicator for Comm {
         check_sum_scatter(self.size, dtype, input, output)?;
         if self.size == 1 {
             self.check_usable()?;
-            output.copy_from_slice(input);
+            crate::copy::copy(output, input);
             return Ok(());
         }
         self.with_link(|l, scratch| {
@@ -362,7 +362,7 @@ impl Communicator for Comm {
                 ring::reduce_scatter(l, AllReduce::Sum, dtype, scratch)?;
             }
             let (r, m) = (l.rank(), output.len());
-            output.copy_from_slice(&scratch[r * m..(r + 1) * m]);
+            crate::copy::copy(output, &scratch[r * m..(r + 1) * m]);
             Ok(())
         })
     }

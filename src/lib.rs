@@ -12,6 +12,7 @@ pub mod api;
 pub mod collectives;
 pub mod comm;
 pub mod config;
+pub mod copy;
 pub mod dtype;
 pub mod error;
 pub mod group;

@@ -343,7 +343,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     };
     if r == 0 {
         println!(
-            "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}{}",
+            "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}, copy {:?}{}",
             env!("CARGO_PKG_VERSION"),
             env!("RDMACOMM_BUILD"),
             n,
@@ -352,6 +352,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
             o.dtype.name(),
             o.op.name(),
             o.algo,
+            rdmacomm::copy::kernel(),
             if o.register {
                 ", buffers registered"
             } else {

@@ -126,7 +126,7 @@ fn fold_in(
         scratch.resize(data.len(), 0);
         exchange(link, r - 1, None, Some(scratch), None, dtype.size())?;
         reduce_unchecked(op, dtype, scratch, data);
-        data.copy_from_slice(scratch);
+        crate::copy::copy(data, scratch);
         Ok(())
     }
 }

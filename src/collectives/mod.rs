@@ -40,7 +40,7 @@ pub(crate) fn land(
     }
     match reduce {
         Some((op, dtype)) => crate::reduce::reduce_unchecked(op, dtype, dst, src),
-        None => dst.copy_from_slice(src),
+        None => crate::copy::copy(dst, src),
     }
     Ok(())
 }

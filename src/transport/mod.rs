@@ -89,7 +89,7 @@ pub(crate) fn copy_chunk(src: &[u8], dst: &mut [u8], peer: usize) -> Result<()> 
     if src.len() != dst.len() {
         return Err(crate::Error::length_mismatch(src.len(), dst.len(), peer));
     }
-    dst.copy_from_slice(src);
+    crate::copy::copy(dst, src);
     Ok(())
 }
 

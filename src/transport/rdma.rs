@@ -640,7 +640,7 @@ impl Link for RdmaTransport {
             Some(r) => ((r.lkey(), data.as_ptr() as u64), true),
             None => {
                 let off = self.layout.send_off(p, k);
-                self.buf.slice_mut(off, data.len()).copy_from_slice(data);
+                crate::copy::copy(self.buf.slice_mut(off, data.len()), data);
                 ((self.buf.lkey(), self.buf.addr() + off as u64), false)
             }
         };

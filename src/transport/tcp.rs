@@ -641,7 +641,7 @@ impl Link for TcpTransport {
             // rest is read in place.
             let k = (avail.len() - HDR).min(len + tail);
             let copied = k.min(len);
-            dst[..copied].copy_from_slice(&avail[HDR..HDR + copied]);
+            crate::copy::copy(&mut dst[..copied], &avail[HDR..HDR + copied]);
             c.inp.consume(HDR + k);
             c.direct = Direct::Placing {
                 placed: k + early,
