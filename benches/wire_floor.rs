@@ -13,8 +13,11 @@
 //!   one round trip per step, the floor of any scheme in which the ranks take turns.
 
 use rdmacomm::verbs::{
-    self, CompletionQueue, DeviceChoice, Endpoint, RcQueuePair, RegisteredBuffer, RetryPolicy,
+    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy,
 };
+#[path = "../tests/common/handshake.rs"]
+mod handshake;
+use handshake::{decode, encode};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -125,33 +128,6 @@ impl Side {
             .slice_mut(0, 8)
             .copy_from_slice(&step.to_le_bytes());
     }
-}
-
-fn encode(e: &Endpoint, addr: u64, rkey: u32) -> Vec<u8> {
-    let mut v = Vec::new();
-    v.extend_from_slice(&e.qpn.to_le_bytes());
-    v.extend_from_slice(&e.psn.to_le_bytes());
-    v.extend_from_slice(&e.lid.to_le_bytes());
-    v.push(e.mtu);
-    v.extend_from_slice(&e.gid);
-    v.extend_from_slice(&addr.to_le_bytes());
-    v.extend_from_slice(&rkey.to_le_bytes());
-    v
-}
-
-fn decode(v: &[u8]) -> (Endpoint, u64, u32) {
-    let e = Endpoint {
-        qpn: u32::from_le_bytes(v[0..4].try_into().unwrap()),
-        psn: u32::from_le_bytes(v[4..8].try_into().unwrap()),
-        lid: u16::from_le_bytes(v[8..10].try_into().unwrap()),
-        mtu: v[10],
-        gid: v[11..27].try_into().unwrap(),
-    };
-    (
-        e,
-        u64::from_le_bytes(v[27..35].try_into().unwrap()),
-        u32::from_le_bytes(v[35..39].try_into().unwrap()),
-    )
 }
 
 /// A TCP line to the peer: rank 0 listens on MASTER_ADDR:MASTER_PORT+1, rank 1 connects.

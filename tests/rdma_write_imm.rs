@@ -3,9 +3,10 @@
 //! On one rxe device, and across two VM hosts when `tools/rxe-vm --hosts 2` made them.
 
 mod common;
+use common::handshake::{decode, encode};
 use common::*;
 use rdmacomm::verbs::{
-    self, CompletionQueue, DeviceChoice, Endpoint, RcQueuePair, RegisteredBuffer, RetryPolicy,
+    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy,
 };
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -15,33 +16,6 @@ const LEN: usize = 1 << 20;
 
 fn pattern(rank: usize, i: usize) -> u8 {
     (i.wrapping_mul(31) ^ (i >> 11) ^ (rank * 97 + 5)) as u8
-}
-
-fn encode(e: &Endpoint, addr: u64, rkey: u32) -> Vec<u8> {
-    let mut v = Vec::new();
-    v.extend_from_slice(&e.qpn.to_le_bytes());
-    v.extend_from_slice(&e.psn.to_le_bytes());
-    v.extend_from_slice(&e.lid.to_le_bytes());
-    v.push(e.mtu);
-    v.extend_from_slice(&e.gid);
-    v.extend_from_slice(&addr.to_le_bytes());
-    v.extend_from_slice(&rkey.to_le_bytes());
-    v
-}
-
-fn decode(v: &[u8]) -> (Endpoint, u64, u32) {
-    let e = Endpoint {
-        qpn: u32::from_le_bytes(v[0..4].try_into().unwrap()),
-        psn: u32::from_le_bytes(v[4..8].try_into().unwrap()),
-        lid: u16::from_le_bytes(v[8..10].try_into().unwrap()),
-        mtu: v[10],
-        gid: v[11..27].try_into().unwrap(),
-    };
-    (
-        e,
-        u64::from_le_bytes(v[27..35].try_into().unwrap()),
-        u32::from_le_bytes(v[35..39].try_into().unwrap()),
-    )
 }
 
 fn rank_body() {

@@ -212,11 +212,7 @@ impl RdmaTransport {
         card.extend_from_slice(&buf.rkey().to_le_bytes());
         for qp in &qps {
             let e = qp.as_ref().map(|q| q.endpoint()).unwrap_or_default();
-            card.extend_from_slice(&e.qpn.to_le_bytes());
-            card.extend_from_slice(&e.psn.to_le_bytes());
-            card.extend_from_slice(&(e.lid as u32).to_le_bytes());
-            card.extend_from_slice(&(e.mtu as u32).to_le_bytes());
-            card.extend_from_slice(&e.gid);
+            card.extend_from_slice(&e.to_bytes());
         }
         let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_RDMA)?;
@@ -244,13 +240,7 @@ impl RdmaTransport {
             };
             let mut mine = Endpoint::default();
             for q in 0..n {
-                let e = Endpoint {
-                    qpn: r.u32()?,
-                    psn: r.u32()?,
-                    lid: r.u32()? as u16,
-                    mtu: r.u32()? as u8,
-                    gid: r.take(16)?.try_into().expect("16 bytes"),
-                };
+                let e = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
                 if q == cfg.rank {
                     mine = e;
                 }

@@ -128,6 +128,37 @@ pub struct Endpoint {
     pub mtu: u8,
 }
 
+impl Endpoint {
+    /// Length of [`Endpoint::to_bytes`].
+    pub const BYTES: usize = 32;
+
+    /// The endpoint as sent to a peer: QP number, PSN, LID and MTU as little-endian u32s, then
+    /// the GID.
+    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0..4].copy_from_slice(&self.qpn.to_le_bytes());
+        b[4..8].copy_from_slice(&self.psn.to_le_bytes());
+        b[8..12].copy_from_slice(&u32::from(self.lid).to_le_bytes());
+        b[12..16].copy_from_slice(&u32::from(self.mtu).to_le_bytes());
+        b[16..].copy_from_slice(&self.gid);
+        b
+    }
+
+    /// Reads what [`Endpoint::to_bytes`] wrote (the first [`Endpoint::BYTES`] of `b`); `None`
+    /// if `b` is shorter.
+    pub fn from_bytes(b: &[u8]) -> Option<Endpoint> {
+        let b = b.get(..Self::BYTES)?;
+        let u = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        Some(Endpoint {
+            qpn: u(0),
+            psn: u(4),
+            lid: u(8) as u16,
+            mtu: u(12) as u8,
+            gid: b[16..].try_into().expect("16 bytes"),
+        })
+    }
+}
+
 /// The QP's timeout and retry settings. With `timeout` t and `retry` r, an unreachable peer is
 /// reported (RETRY_EXC_ERR) after about (r+1) x 4.096 us x 2^t. Retry 7 would mean "forever" on
 /// rxe, so at most 6 is used.
@@ -389,5 +420,28 @@ impl RcQueuePair {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Error);
         let _ = self.qp.modify(&attr);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_bytes_round_trip_and_short_input_is_refused() {
+        let e = Endpoint {
+            qpn: 0x0012_3456,
+            psn: 0x00ab_cdef,
+            lid: 0xbeef,
+            gid: std::array::from_fn(|i| (i * 17 + 3) as u8),
+            mtu: 5,
+        };
+        let b = e.to_bytes();
+        assert_eq!(Endpoint::from_bytes(&b), Some(e));
+        // The layout peers of other builds read: u32 LE fields, then the GID.
+        assert_eq!(&b[0..4], &0x0012_3456u32.to_le_bytes());
+        assert_eq!(&b[8..12], &0xbeefu32.to_le_bytes());
+        assert_eq!(&b[16..], &e.gid);
+        assert_eq!(Endpoint::from_bytes(&b[..Endpoint::BYTES - 1]), None);
     }
 }

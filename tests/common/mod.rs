@@ -2,6 +2,7 @@
 //! decides whether RDMA tests run here.
 #![allow(dead_code)]
 
+pub mod handshake;
 pub mod reference;
 
 use std::net::TcpListener;
