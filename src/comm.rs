@@ -89,6 +89,10 @@ impl Comm {
     /// device.
     pub fn new(cfg: &Config) -> Result<Self> {
         cfg.validate()?;
+        crate::copy::requested()?;
+        // Choose the copy kernel (its one timing, where it is measured) here, not inside the
+        // first operation.
+        crate::copy::kernel();
         let link = if cfg.world_size > 1 {
             Some(transport::connect(cfg, cfg.transport)?)
         } else {

@@ -4,8 +4,9 @@
 //! mid-sized buffers (a few KiB up to its non-temporal threshold, here between 384 KiB and
 //! 2 MiB) with `rep movsb`, which some CPUs run slowly (an emulated CPU byte by byte: under QEMU's
 //! TCG, as in the soft-RoCE VM, 64-384 KiB copy at ~460 MB/s against ~3 GB/s for 2 MiB; AMD Zen
-//! parts have had their own `rep movsb` cliffs). Where AVX2 exists, the first large copy times
-//! both on this CPU, once, and keeps the faster (as the Linux kernel picks its RAID xor routine);
+//! parts are slow with it at some sizes and alignments, and glibc has narrowed its use there).
+//! Where AVX2 exists, both are timed on this CPU once, when the first communicator is made, and
+//! the faster is kept (as the Linux kernel picks its RAID xor routine at boot);
 //! `RDMACOMM_COPY=libc|simd` overrides.
 
 use std::sync::OnceLock;
@@ -40,14 +41,28 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
-/// The copy kernel in use (chosen once: `RDMACOMM_COPY`, else measured; libc without AVX2).
+/// What `RDMACOMM_COPY` asks for: `None` for `auto` or unset; any other value is an error that
+/// names it ([`crate::Comm::new`] checks this before it joins).
+pub fn requested() -> crate::Result<Option<CopyKernel>> {
+    match std::env::var("RDMACOMM_COPY").as_deref() {
+        Err(_) | Ok("") | Ok("auto") => Ok(None),
+        Ok("libc") => Ok(Some(CopyKernel::Libc)),
+        Ok("simd") => Ok(Some(CopyKernel::Simd)),
+        Ok(v) => Err(crate::Error::Config(format!(
+            "RDMACOMM_COPY={v:?}: use libc, simd or auto"
+        ))),
+    }
+}
+
+/// The copy kernel in use, chosen once: as `RDMACOMM_COPY` asks (`simd` only where the CPU has
+/// AVX2), else the faster of the two measured on this CPU; libc without AVX2.
 pub fn kernel() -> CopyKernel {
     static KERNEL: OnceLock<CopyKernel> = OnceLock::new();
     *KERNEL.get_or_init(|| {
         let simd = crate::reduce::simd_level() == crate::reduce::SimdLevel::Avx2;
-        match std::env::var("RDMACOMM_COPY").as_deref() {
-            Ok("libc") => CopyKernel::Libc,
-            Ok("simd") if simd => CopyKernel::Simd,
+        match requested() {
+            Ok(Some(CopyKernel::Libc)) => CopyKernel::Libc,
+            Ok(Some(CopyKernel::Simd)) if simd => CopyKernel::Simd,
             _ if simd => calibrate(),
             _ => CopyKernel::Libc,
         }

@@ -95,6 +95,35 @@ fn child_join() {
 }
 
 #[test]
+fn unknown_copy_kernel_is_named() {
+    // In a child: the choice is read from the environment once per process.
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_world_of_one",
+            "--exact",
+            "--nocapture",
+            "--include-ignored",
+        ])
+        .env("RDMACOMM_COPY", "avx512")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("RDMACOMM_COPY=\"avx512\": use libc, simd or auto"),
+        "{text}"
+    );
+}
+
+#[test]
+#[ignore = "helper run by unknown_copy_kernel_is_named"]
+fn child_world_of_one() {
+    match Comm::new(&Config::new(0, 1, "").unwrap()) {
+        Ok(_) => println!("joined"),
+        Err(e) => println!("{e}"),
+    }
+}
+
+#[test]
 fn wrong_lengths_write_nothing() {
     // Argument checks run before any traffic, so a world of one shows them without a device.
     let c = Comm::new(&Config::new(0, 1, "").unwrap()).unwrap();
