@@ -6,9 +6,10 @@
 //! repeats an 8-byte step `WIRE_FLOOR_ITERS` times (default 20 000, after 1 000 warm-ups) and
 //! prints the mean time per step on rank 0:
 //! - `exchange write`: both ranks post an inline RDMA WRITE to each other at once and spin on the
-//!   word it lands in (no receive queue, no completion read): the floor of an exchange.
+//!   word it lands in (no receive queue, no completion read): the floor of an exchange, and what
+//!   rdmacomm's mailbox chunks (up to 48 bytes) do.
 //! - `exchange imm`: the same with WRITE_WITH_IMM, each rank spinning on its completion queue and
-//!   re-posting a receive (what rdmacomm and UCX's eager path do per message).
+//!   re-posting a receive (what rdmacomm's larger chunks do per message).
 //! - `ping-pong write`: rank 0 writes, rank 1 answers when it sees it (`ib_write_lat`'s loop):
 //!   one round trip per step, the floor of any scheme in which the ranks take turns.
 
@@ -17,9 +18,9 @@ use rdmacomm::verbs::{
 };
 #[path = "../tests/common/handshake.rs"]
 mod handshake;
-use handshake::{decode, encode};
+use handshake::{decode, encode, pair_line, swap};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// Work requests between signaled ones (each signaled completion retires those before it).
@@ -29,6 +30,8 @@ const RECV_DEPTH: u32 = 64;
 
 struct Side {
     rank: usize,
+    /// The peer's address, for errors.
+    peer: String,
     buf: RegisteredBuffer,
     cq: CompletionQueue,
     qp: RcQueuePair,
@@ -118,8 +121,10 @@ impl Side {
     fn check_deadline(&self) {
         assert!(
             Instant::now() < self.deadline,
-            "rank {}: no progress within the run's deadline",
-            self.rank
+            "rank {}: no progress within the run's deadline waiting on rank {} ({})",
+            self.rank,
+            1 - self.rank,
+            self.peer
         );
     }
 
@@ -130,34 +135,17 @@ impl Side {
     }
 }
 
-/// A TCP line to the peer: rank 0 listens on MASTER_ADDR:MASTER_PORT+1, rank 1 connects.
-fn side_channel(rank: usize) -> TcpStream {
+/// A TCP line to the peer (rank 0 listens on MASTER_ADDR:MASTER_PORT+1, rank 1 connects) and
+/// the peer's address, for errors.
+fn side_channel(rank: usize) -> (TcpStream, String) {
     let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
     let port: u16 = std::env::var("MASTER_PORT")
         .ok()
         .and_then(|p| p.parse().ok())
         .unwrap_or(29500);
-    let at = format!("{addr}:{}", port + 1);
-    let s = if rank == 0 {
-        TcpListener::bind(&at)
-            .expect("bind side channel")
-            .accept()
-            .expect("accept")
-            .0
-    } else {
-        let t0 = Instant::now();
-        loop {
-            match TcpStream::connect(&at) {
-                Ok(s) => break s,
-                Err(_) if t0.elapsed() < Duration::from_secs(30) => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                Err(e) => panic!("connect {at}: {e}"),
-            }
-        }
-    };
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    s
+    let s = pair_line(rank, &format!("{addr}:{}", port + 1));
+    let peer = s.peer_addr().map_or(addr, |a| a.ip().to_string());
+    (s, peer)
 }
 
 fn sync(s: &mut TcpStream) {
@@ -186,17 +174,15 @@ fn main() {
     for _ in 0..RECV_DEPTH {
         qp.post_recv(u64::MAX).expect("post recv");
     }
-    let mut s = side_channel(rank);
-    let mine = encode(&qp.endpoint(), buf.addr(), buf.rkey());
-    s.write_all(&mine).unwrap();
-    let mut theirs = vec![0u8; mine.len()];
-    s.read_exact(&mut theirs).unwrap();
+    let (mut s, peer) = side_channel(rank);
+    let theirs = swap(&mut s, &encode(&qp.endpoint(), buf.addr(), buf.rkey()));
     let (remote, raddr, rkey) = decode(&theirs);
     qp.connect(&remote, RetryPolicy::default())
         .expect("connect");
     sync(&mut s);
     let mut me = Side {
         rank,
+        peer,
         buf,
         cq,
         qp,

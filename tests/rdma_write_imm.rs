@@ -3,13 +3,12 @@
 //! On one rxe device, and across two VM hosts when `tools/rxe-vm --hosts 2` made them.
 
 mod common;
-use common::handshake::{decode, encode};
+use common::handshake::{decode, encode, pair_line, swap};
 use common::*;
 use rdmacomm::verbs::{
     self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy,
 };
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 const LEN: usize = 1 << 20;
@@ -37,26 +36,9 @@ fn rank_body() {
     qp.post_recv(77).unwrap();
 
     // Exchange endpoints over TCP.
-    let mut s = if rank == 0 {
-        let l = TcpListener::bind(&coord).unwrap();
-        l.accept().unwrap().0
-    } else {
-        let t0 = Instant::now();
-        loop {
-            match TcpStream::connect(&coord) {
-                Ok(s) => break s,
-                Err(_) if t0.elapsed() < Duration::from_secs(20) => {
-                    std::thread::sleep(Duration::from_millis(50))
-                }
-                Err(e) => panic!("connect {coord}: {e}"),
-            }
-        }
-    };
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut s = pair_line(rank, &coord);
     let mine = encode(&qp.endpoint(), buf.addr() + LEN as u64, buf.rkey());
-    s.write_all(&mine).unwrap();
-    let mut theirs = vec![0u8; mine.len()];
-    s.read_exact(&mut theirs).unwrap();
+    let theirs = swap(&mut s, &mine);
     let (remote, raddr, rkey) = decode(&theirs);
     qp.connect(&remote, RetryPolicy::default()).unwrap();
     // Both QPs ready before anyone writes.

@@ -46,12 +46,19 @@ fn soak_body() {
     let (r, n) = rank_size();
     let coord = std::env::var("RDMACOMM_COORDINATOR").unwrap();
     let host = coord.rsplit_once(':').unwrap().0;
-    // Distinct free ports chosen by the parent (neighbours of one free port may be taken).
-    let ports: Vec<u16> = std::env::var("RXE_TEST_PORTS")
-        .unwrap()
-        .split(',')
-        .map(|p| p.parse().unwrap())
-        .collect();
+    // The first rendezvous is the parent's free port; each later one is a port rank 0 finds
+    // free just before, sent over the communicator in use (ports chosen all up front were
+    // sometimes taken by then, by this test's own connections: "address in use").
+    let mut rendezvous = format!("{host}:{}", std::env::var("RXE_TEST_PORT").unwrap());
+    let next_rendezvous = |c: &Comm| -> String {
+        let mut p = if r == 0 {
+            free_port().to_le_bytes()
+        } else {
+            [0; 2]
+        };
+        c.broadcast(0, &mut p).unwrap();
+        format!("{host}:{}", u16::from_le_bytes(p))
+    };
 
     // Leaks: create, use and drop communicators; nothing may remain.
     let before = (
@@ -62,11 +69,12 @@ fn soak_body() {
         rdma_objects("pd"),
     );
     for i in 0..6u16 {
-        let cfg = Config::new(r, n, format!("{host}:{}", ports[i as usize])).unwrap();
+        let cfg = Config::new(r, n, rendezvous.clone()).unwrap();
         let c = Comm::new(&cfg).unwrap();
         let mut d = fill(DType::i64, AllReduce::Sum, r, 100);
         c.all_reduce(AllReduce::Sum, DType::i64, &mut d).unwrap();
         check_all_reduce(DType::i64, AllReduce::Sum, n, &d).unwrap();
+        rendezvous = next_rendezvous(&c);
         if i == 0 && c.device().is_some_and(|d| d.starts_with("RDMA")) {
             // The counting sees live objects (so a leak would show).
             let count = rdma_objects("qp");
@@ -92,7 +100,7 @@ fn soak_body() {
     println!("rank {r}: no leaks: (fds, qp, mr, cq, pd) = {after:?} before and after");
 
     // Soak: the same random schedule on every rank (shared seed), every result checked.
-    let c = Comm::new(&Config::new(r, n, format!("{host}:{}", ports[6])).unwrap()).unwrap();
+    let c = Comm::new(&Config::new(r, n, rendezvous).unwrap()).unwrap();
     let ops: usize = std::env::var("RXE_TEST_SOAK_OPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -183,15 +191,7 @@ fn soak_mixed_collectives_and_no_leaks() {
     if !parent_ready(NAME, soak_body) {
         return;
     }
-    let held: Vec<std::net::TcpListener> = (0..7)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let ports: Vec<String> = held
-        .iter()
-        .map(|l| l.local_addr().unwrap().port().to_string())
-        .collect();
-    drop(held);
-    let ports = ports.join(",");
+    let port = free_port().to_string();
     let res = spawn(
         NAME,
         4,
@@ -199,7 +199,7 @@ fn soak_mixed_collectives_and_no_leaks() {
         &|_| {
             vec![
                 ("RDMACOMM_TIMEOUT".into(), "60".into()),
-                ("RXE_TEST_PORTS".into(), ports.clone()),
+                ("RXE_TEST_PORT".into(), port.clone()),
             ]
         },
         Duration::from_secs(420),

@@ -3,6 +3,7 @@
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
 pub mod bootstrap;
+pub mod mailbox;
 pub mod pacer;
 pub mod rdma;
 pub mod tcp;

@@ -24,10 +24,18 @@
 //! - Registered buffers ([`Link::register`], scoped by `Communicator::with_registered`): the
 //!   same zero-copy path for every chunk above [`MAX_INLINE`] posted from inside one, with no
 //!   registration per operation; at most [`MAX_REGISTERED`] at once.
+//! - Mailboxes: a chunk of at most [`mailbox::MAX_PAYLOAD`] bytes goes instead as a plain inline
+//!   RDMA WRITE into r's 64-byte mailbox `k % S` for w (same credits as slot `k % S`), laid out
+//!   by [`mailbox`]: the payload, w's consumed count, and a tag naming `k`, ending at the
+//!   entry's end. r finds it by reading the tag in memory: no receive work request, no
+//!   completion to poll, and credits ride along as with an immediate. Measured on lo-rxe, 2
+//!   ranks, 8-32 B all_reduce, alternating rounds in three boots: 5-14% faster than
+//!   WRITE_WITH_IMM (8 B 37.1 -> 33.4 us, 33.6 -> 29.0 us); veth 11-15%.
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_RDMA};
+use crate::transport::mailbox::{self, ENTRY};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::{copy_chunk, Link};
@@ -63,6 +71,8 @@ pub const QUIET_MAX: u32 = 8;
 const FREE_AT_POST: u64 = u64::MAX;
 /// Most buffers registered at once with one communicator ([`Link::register`]).
 pub const MAX_REGISTERED: usize = 64;
+/// `lens` of a slot that holds no arrived chunk.
+const EMPTY: u32 = u32::MAX;
 
 fn wr_id(kind: u64, peer: usize, index: u64) -> u64 {
     (kind << 62) | ((peer as u64) << 48) | (index & 0xffff_ffff_ffff)
@@ -89,14 +99,16 @@ struct PeerState {
     unsignaled: u32,
     /// The WR number of each chunk in flight, by slot (to retire unsignaled ones).
     chunk_wr: Vec<u64>,
-    /// Chunks arrived from this peer, and consumed.
-    arrived: u64,
+    /// The lowest chunk number the next receive completion from this peer may carry.
+    cq_next: u64,
+    /// Chunks consumed from this peer.
     consumed: u64,
     /// The consumed count last reported to the writer.
     returned: u64,
     /// This peer's consumed count of our chunks, as its data writes reported it.
     peer_consumed: u64,
-    /// Length of each arrived, unconsumed chunk, by slot.
+    /// Length of the chunk that arrived in each slot by WRITE_WITH_IMM and is unconsumed, by
+    /// slot ([`EMPTY`] when none: the chunk is yet to come or comes through the mailbox).
     lens: Vec<u32>,
     /// When the outstanding health probe (a zero-byte RDMA write) was posted.
     probe: Option<Instant>,
@@ -116,7 +128,8 @@ impl PeerState {
     }
 }
 
-/// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then credits.
+/// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then
+/// credits, then mailboxes.
 #[derive(Debug, Clone, Copy)]
 struct Layout {
     n: usize,
@@ -137,8 +150,13 @@ impl Layout {
     fn credit_off(&self, p: usize) -> usize {
         2 * self.n * self.region() + p * 64
     }
+    fn mailbox_off(&self, p: usize, k: u64) -> usize {
+        2 * self.n * self.region()
+            + self.n * 64
+            + (p * self.slots + k as usize % self.slots) * ENTRY
+    }
     fn total(&self) -> usize {
-        2 * self.n * self.region() + self.n * 64
+        2 * self.n * self.region() + self.n * 64 + self.n * self.slots * ENTRY
     }
 }
 
@@ -264,11 +282,11 @@ impl RdmaTransport {
                 wr_done: 0,
                 unsignaled: 0,
                 chunk_wr: vec![0; cfg.slots],
-                arrived: 0,
+                cq_next: 0,
                 consumed: 0,
                 returned: 0,
                 peer_consumed: 0,
-                lens: vec![0; cfg.slots],
+                lens: vec![EMPTY; cfg.slots],
                 probe: None,
             }));
         }
@@ -438,11 +456,19 @@ impl RdmaTransport {
             let st = self.state(p);
             match kind {
                 KIND_RECV => {
-                    let k = st.arrived;
-                    if imm & 0xffff != (k & 0xffff) as u32 {
+                    // The chunk's number from its low 16 bits: at or above the next expected,
+                    // within `slots` of the consumed count (credits), into an empty slot.
+                    let k =
+                        st.consumed + (u64::from(imm & 0xffff).wrapping_sub(st.consumed) & 0xffff);
+                    if k < st.cq_next
+                        || k >= st.consumed + slots
+                        || st.lens[(k % slots) as usize] != EMPTY
+                    {
                         let e = format!(
-                            "protocol error: chunk {} arrived where {k} was expected",
-                            imm & 0xffff
+                            "protocol error: chunk {} arrived where {} (at most {}) was expected",
+                            imm & 0xffff,
+                            st.cq_next,
+                            st.consumed + slots - 1
                         );
                         return Err(self.fail(p, e));
                     }
@@ -451,7 +477,7 @@ impl RdmaTransport {
                     let behind = st.sent.wrapping_sub(u64::from(imm >> 16)) & 0xffff;
                     st.peer_consumed = st.peer_consumed.max(st.sent - behind.min(st.sent));
                     st.lens[(k % slots) as usize] = len;
-                    st.arrived += 1;
+                    st.cq_next = k + 1;
                     st.qp.post_recv(wr_id(KIND_RECV, p, k + slots))?;
                 }
                 _ => {
@@ -525,6 +551,31 @@ impl RdmaTransport {
         st.wr_posted += 1;
         st.unsignaled = if signaled { 0 } else { st.unsignaled + 1 };
         Ok(())
+    }
+
+    /// Chunk `k` from `p`, if it has landed in its mailbox: (length, offset of the entry).
+    fn landed(&self, p: usize, k: u64) -> Option<(usize, usize)> {
+        let entry = self.layout.mailbox_off(p, k);
+        let ptr = self.buf.ptr_at(entry + ENTRY - 8) as *const u64;
+        // SAFETY: an aligned u64 inside our buffer (entries are 64-byte aligned), written only
+        // by the peer's RDMA writes; read volatile since the device changes it behind the
+        // compiler's back.
+        let tag = u64::from_le(unsafe { std::ptr::read_volatile(ptr) });
+        let len = mailbox::tag_len(tag, k)?;
+        // The tag is read before the bytes written ahead of it.
+        fence(Ordering::Acquire);
+        Some((len, entry))
+    }
+
+    /// The highest consumed count of our chunks that `p` reported in a mailbox chunk that
+    /// arrived and is not taken yet (0 if none).
+    fn mailbox_credits(&self, p: usize) -> u64 {
+        let consumed = self.peers[p].as_ref().expect("no link to self").consumed;
+        (consumed..consumed + self.layout.slots as u64)
+            .filter_map(|k| self.landed(p, k))
+            .map(|(_, off)| mailbox::consumed(self.buf.slice(off, ENTRY)))
+            .max()
+            .unwrap_or(0)
     }
 
     fn credits_from(&self, p: usize) -> u64 {
@@ -609,8 +660,15 @@ impl Link for RdmaTransport {
         let slots = self.layout.slots as u64;
         let word = self.credits_from(p);
         let st = self.state(p);
-        let credits = word.max(st.peer_consumed);
-        let k = st.sent;
+        let mut credits = word.max(st.peer_consumed);
+        let (k, consumed) = (st.sent, st.consumed);
+        if k >= credits + slots {
+            // Credits ride on chunks that arrived but are not taken yet: on receive
+            // completions (seen when polled) and in mailbox trailers (seen only here).
+            credits = credits.max(self.mailbox_credits(p));
+            self.state(p).peer_consumed = credits;
+        }
+        let st = self.state(p);
         let sq_room = st.wr_posted - st.wr_done + 2 < 2 * slots + 16;
         if k >= credits + slots || k >= st.send_done + slots || !sq_room {
             return Ok(false);
@@ -626,30 +684,31 @@ impl Link for RdmaTransport {
                 .find(|r| r.contains(data)),
             _ => None,
         };
+        let to_mailbox = region.is_none() && data.len() <= mailbox::MAX_PAYLOAD;
+        let mut len = data.len();
         let (local, zero_copy) = match region {
             Some(r) => ((r.lkey(), data.as_ptr() as u64), true),
             None => {
                 let off = self.layout.send_off(p, k);
-                crate::copy::copy(self.buf.slice_mut(off, data.len()), data);
+                if to_mailbox {
+                    len = mailbox::encode(k, consumed, data, self.buf.slice_mut(off, ENTRY));
+                } else {
+                    crate::copy::copy(self.buf.slice_mut(off, len), data);
+                }
                 ((self.buf.lkey(), self.buf.addr() + off as u64), false)
             }
         };
-        let remote_off = self.layout.recv_off(self.rank, k);
-        let st = self.state(p);
-        let imm = (k & 0xffff) as u32 | ((st.consumed & 0xffff) as u32) << 16;
-        let consumed = st.consumed;
-        let quiet = !zero_copy && data.len() <= MAX_INLINE as usize;
+        let (remote_off, imm) = if to_mailbox {
+            let entry = self.layout.mailbox_off(self.rank, k);
+            (entry + mailbox::write_offset(len), None)
+        } else {
+            let imm = (k & 0xffff) as u32 | ((consumed & 0xffff) as u32) << 16;
+            (self.layout.recv_off(self.rank, k), Some(imm))
+        };
+        let quiet = !zero_copy && len <= MAX_INLINE as usize;
         let wr = self.state(p).wr_posted;
         self.state(p).chunk_wr[(k % slots) as usize] = if quiet { FREE_AT_POST } else { wr };
-        self.post_from(
-            p,
-            KIND_DATA,
-            local,
-            data.len(),
-            remote_off,
-            Some(imm),
-            quiet,
-        )?;
+        self.post_from(p, KIND_DATA, local, len, remote_off, imm, quiet)?;
         if zero_copy {
             if self.zc.len() == self.zc.capacity() {
                 self.retire_zero_copy(); // at most slots per peer remain: no reallocation
@@ -672,13 +731,27 @@ impl Link for RdmaTransport {
     fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
         let slots = self.layout.slots as u64;
         let st = self.state(p);
-        if st.consumed >= st.arrived {
-            return Ok(false);
-        }
         let k = st.consumed;
-        let len = st.lens[(k % slots) as usize] as usize;
-        let off = self.layout.recv_off(p, k);
-        f(self.buf.slice(off, len))?;
+        let slot = (k % slots) as usize;
+        if st.lens[slot] != EMPTY {
+            let len = st.lens[slot] as usize;
+            let off = self.layout.recv_off(p, k);
+            f(self.buf.slice(off, len))?;
+            self.state(p).lens[slot] = EMPTY;
+        } else {
+            let Some((len, off)) = self.landed(p, k) else {
+                return Ok(false);
+            };
+            if len > mailbox::MAX_PAYLOAD {
+                let e = format!("protocol error: mailbox chunk {k} claims {len} bytes");
+                return Err(self.fail(p, e));
+            }
+            let entry = self.buf.slice(off, ENTRY);
+            let peer_consumed = mailbox::consumed(entry);
+            f(&entry[mailbox::payload(len)])?;
+            let st = self.state(p);
+            st.peer_consumed = st.peer_consumed.max(peer_consumed);
+        }
         let st = self.state(p);
         st.consumed += 1;
         let consumed = st.consumed;
