@@ -5,7 +5,9 @@
 //! The write ends where the entry ends: the payload, then the writer's consumed count of the
 //! reader's chunks (credits ride along), then a tag, `(k + 1) << 8 | length` for chunk number
 //! `k`. The reader knows the chunk has landed when the entry's last word carries the tag it
-//! expects. The entry is one aligned cache line, so the scheme relies on a write's bytes
+//! expects: tags start at 1 and the reader's buffer starts zeroed, so an entry never written
+//! names no chunk, and an entry's previous chunk (`k - slots`) names another. The entry is one
+//! aligned cache line, so the scheme relies on a write's bytes
 //! within one cache line landing together or in address order (rxe copies them forward; an
 //! HCA writes them to host memory as one PCIe write), not on any order across lines. Few bytes
 //! on the wire matter here: on soft-RoCE in the VM each byte of a small write costs time,

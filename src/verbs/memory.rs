@@ -26,7 +26,8 @@ unsafe impl Send for RegisteredBuffer {}
 unsafe impl Sync for RegisteredBuffer {}
 
 impl RegisteredBuffer {
-    /// Allocates `len` bytes (rounded up to a page) and registers them on `pd`.
+    /// Allocates `len` zeroed bytes (rounded up to a page; the RDMA transport's mailboxes rely on
+    /// the zeros) and registers them on `pd`.
     pub fn new(pd: &Arc<ProtectionDomain>, len: usize) -> Result<Self> {
         let len = len.max(1).next_multiple_of(4096);
         let layout = Layout::from_size_align(len, 4096)
