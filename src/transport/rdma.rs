@@ -31,7 +31,7 @@
 //!   completion to poll, and credits ride along as with an immediate. A writer that waits for
 //!   credits also reads them from mailbox chunks that arrived but are not taken yet, as it
 //!   would see an immediate's on polling. Measured (2 ranks, all_reduce, alternating rounds
-//!   against WRITE_WITH_IMM): 8 B on lo-rxe 37.1 -> 33.4, 37.9 -> 31.5, 31.7 -> 30.2 us in
+//!   against WRITE_WITH_IMM): 8 B on lo-rxe 38.5 -> 34.2, 37.9 -> 31.5, 31.7 -> 30.2 us in
 //!   three boots (8-32 B 2-17% faster), on veth 4-9% faster (one boot).
 
 use crate::config::Config;
