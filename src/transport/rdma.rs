@@ -16,8 +16,8 @@
 //!   row: the completion of a later signaled write (RC completes in order) retires them, and
 //!   the send queue has room for that many and the chunks that hold slots.
 //! - Zero copy (opt-in): while an operation lends a buffer of at least `RDMACOMM_ZERO_COPY_MIN` bytes
-//!   ([`Link::lend`]), it is registered for that operation and chunks posted from it are
-//!   written straight from it, skipping the staging slot; a range is not landed into before the
+//!   ([`Link::lend`]), it is registered for that operation and chunks above [`MAX_INLINE`]
+//!   posted from it are written straight from it, skipping the staging slot; a range is not landed into before the
 //!   writes reading it completed ([`Link::settle`]), and the registration ends with the
 //!   operation. (Not cached across calls: without memory hooks a cache keyed by address would
 //!   send stale pages after the caller frees and reallocates.)
@@ -675,16 +675,15 @@ impl Link for RdmaTransport {
         if k >= credits + slots || k >= st.send_done + slots || !sq_room {
             return Ok(false);
         }
-        let region = match &self.lent {
-            Some(r) if r.contains(data) => Some(r),
-            // A registered buffer sends straight from memory, but a chunk small enough to go
-            // inline is copied at post time and needs no settling.
-            _ if data.len() > MAX_INLINE as usize => self
-                .registered
+        // A lent or registered buffer sends straight from memory, but a chunk small enough to
+        // go inline is copied at post time (by mailbox up to 48 bytes) and needs no settling.
+        let region = if data.len() > MAX_INLINE as usize {
+            self.lent
                 .iter()
-                .map(|(_, r)| r)
-                .find(|r| r.contains(data)),
-            _ => None,
+                .chain(self.registered.iter().map(|(_, r)| r))
+                .find(|r| r.contains(data))
+        } else {
+            None
         };
         let to_mailbox = region.is_none() && data.len() <= mailbox::MAX_PAYLOAD;
         let mut len = data.len();
