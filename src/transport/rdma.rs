@@ -15,12 +15,13 @@
 //!   [`MAX_INLINE`] bytes, both copied at post time) go unsignaled, at most [`QUIET_MAX`] in a
 //!   row: the completion of a later signaled write (RC completes in order) retires them, and
 //!   the send queue has room for that many and the chunks that hold slots.
-//! - Zero copy (opt-in): while an operation lends a buffer of at least `RDMACOMM_ZERO_COPY_MIN` bytes
-//!   ([`Link::lend`]), it is registered for that operation and chunks above [`MAX_INLINE`]
-//!   posted from it are written straight from it, skipping the staging slot; a range is not landed into before the
-//!   writes reading it completed ([`Link::settle`]), and the registration ends with the
-//!   operation. (Not cached across calls: without memory hooks a cache keyed by address would
-//!   send stale pages after the caller frees and reallocates.)
+//! - Zero copy (opt-in): while an operation lends a buffer of at least
+//!   `RDMACOMM_ZERO_COPY_MIN` bytes ([`Link::lend`]), it is registered for that operation and
+//!   chunks above [`MAX_INLINE`] posted from it are written straight from it, skipping the
+//!   staging slot; a range is not landed into before the writes reading it completed
+//!   ([`Link::settle`]), and the registration ends with the operation. (Not cached across
+//!   calls: without memory hooks a cache keyed by address would send stale pages after the
+//!   caller frees and reallocates.)
 //! - Registered buffers ([`Link::register`], scoped by `Communicator::with_registered`): the
 //!   same zero-copy path for every chunk above [`MAX_INLINE`] posted from inside one, with no
 //!   registration per operation; at most [`MAX_REGISTERED`] at once.
