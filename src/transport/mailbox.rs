@@ -7,12 +7,12 @@
 //! `k`. The reader knows the chunk has landed when the entry's last word carries the tag it
 //! expects: tags start at 1 and the reader's buffer starts zeroed, so an entry never written
 //! names no chunk, and an entry's previous chunk (`k - slots`) names another. The entry is one
-//! aligned cache line, so the scheme relies on a write's bytes
-//! within one cache line landing together or in address order (rxe copies them forward; an
-//! HCA writes them to host memory as one PCIe write), not on any order across lines. Few bytes
-//! on the wire matter here: on soft-RoCE in the VM each byte of a small write costs time,
-//! and flagging every line instead (as NCCL's LL protocols do) doubled a 64-byte write and
-//! made it slower than a write with an immediate.
+//! aligned cache line, so the scheme relies on a write's bytes within one cache line landing
+//! together or in address order (rxe copies them forward; an HCA writes them to host memory as
+//! one PCIe write), not on any order across lines. Few bytes on the wire matter here: on
+//! soft-RoCE in the VM each byte of a small write costs time, and flagging every line instead
+//! (as NCCL's LL protocols do) doubled a 64-byte write and made it slower than a write with an
+//! immediate.
 
 /// Bytes of one mailbox entry: one cache line.
 pub const ENTRY: usize = 64;
