@@ -38,8 +38,10 @@ pub struct Pacer {
     timeout: Duration,
     spin: Duration,
     yield_until: Duration,
-    /// Idle polls since the last progress.
+    /// Idle polls since the last progress (saturating).
     idle_polls: u32,
+    /// Idle polls since the clock was last read (wraps every [`CLOCK_EVERY`]).
+    since_read: u32,
     /// Progress happened since the clock was last read.
     progressed: bool,
     /// When progress was last seen (at a clock read).
@@ -60,6 +62,7 @@ impl Pacer {
             spin,
             yield_until,
             idle_polls: 0,
+            since_read: 0,
             progressed: true,
             last_progress: now,
             idle_since: now,
@@ -71,6 +74,7 @@ impl Pacer {
     #[inline]
     pub fn progress(&mut self) {
         self.idle_polls = 0;
+        self.since_read = 0;
         self.progressed = true;
     }
 
@@ -88,7 +92,6 @@ impl Pacer {
     /// A poll found nothing: what to do now.
     pub fn idle(&mut self) -> Wait {
         self.idle_polls = self.idle_polls.saturating_add(1);
-        let read = self.phase == Wait::BackOff || self.idle_polls % CLOCK_EVERY == 0;
         if self.idle_polls < CLOCK_EVERY {
             // Not timed yet: spin, or yield at once when told not to spin at all.
             return if self.spin.is_zero() {
@@ -97,15 +100,21 @@ impl Pacer {
                 Wait::Spin
             };
         }
+        // Counted apart from idle_polls, which stops at u32::MAX: the clock is read every
+        // CLOCK_EVERY polls however long the wait, so a spinning wait still times out.
+        self.since_read += 1;
+        let first = self.idle_polls == CLOCK_EVERY;
+        let read = first || self.phase == Wait::BackOff || self.since_read >= CLOCK_EVERY;
         if !read {
             return self.phase;
         }
+        self.since_read = 0;
         let now = Instant::now();
         if self.progressed {
             self.progressed = false;
             self.last_progress = now;
         }
-        if self.idle_polls == CLOCK_EVERY {
+        if first {
             self.idle_since = now;
         }
         if now.duration_since(self.last_progress) > self.timeout {
@@ -146,6 +155,30 @@ mod tests {
         assert_eq!(seen, [Wait::Spin, Wait::Yield, Wait::BackOff]);
         p.progress();
         assert_eq!(p.idle(), Wait::Spin, "progress starts a new idle stretch");
+    }
+
+    #[test]
+    fn a_spinning_wait_past_u32_max_polls_still_expires() {
+        let ms = Duration::from_millis;
+        // RDMACOMM_POLL=spin: never stops spinning.
+        let mut p = Pacer::new(ms(50), Duration::MAX, Duration::MAX);
+        for _ in 0..CLOCK_EVERY {
+            p.idle();
+        }
+        // As after about 4.3 billion idle polls (minutes of spinning on a fast NIC).
+        p.idle_polls = u32::MAX - 3;
+        let t0 = Instant::now();
+        loop {
+            match p.idle() {
+                Wait::Expired => break,
+                w => assert_eq!(w, Wait::Spin),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the clock is never read again once the poll count saturates"
+            );
+        }
+        assert!(t0.elapsed() >= ms(40), "expired early: {:?}", t0.elapsed());
     }
 
     #[test]
