@@ -14,7 +14,7 @@
 //!   one round trip per step, the floor of any scheme in which the ranks take turns.
 
 use rdmacomm::verbs::{
-    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy,
+    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
 };
 #[path = "../tests/common/handshake.rs"]
 mod handshake;
@@ -58,9 +58,11 @@ impl Side {
             self.qp
                 .post_write(
                     self.posted,
-                    self.buf.lkey(),
-                    self.buf.addr(),
-                    8,
+                    &[Sge {
+                        lkey: self.buf.lkey(),
+                        addr: self.buf.addr(),
+                        len: 8,
+                    }],
                     self.rkey,
                     self.raddr + 64,
                     imm.then_some(7),

@@ -4,10 +4,14 @@ use crate::api::{
     check_all_gather, check_all_reduce, check_peer, check_root, check_sum_scatter, Communicator,
 };
 use crate::collectives::{bcast, halving, p2p, ring};
-use crate::config::Config;
+use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
+use crate::transport::op::{OpDesc, OpKind, Scope};
+use crate::transport::rendezvous::Card;
 use crate::transport::{self, Link, Transport};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 struct Inner {
@@ -16,64 +20,23 @@ struct Inner {
     scratch: Vec<u8>,
 }
 
-/// The all_reduce algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algo {
-    /// Pipelined ring: reduce-scatter then all-gather (bandwidth-optimal, 2(n-1) steps).
-    Ring,
-    /// Recursive halving-doubling (Rabenseifner): bandwidth-optimal in 2 log2(n) steps.
-    Halving,
-    /// Recursive doubling of the whole vector: log2(n) steps, for small messages.
-    Doubling,
-    /// Chosen by size and world size (see [`Algo::choose`]).
-    Auto,
-}
+pub use crate::collectives::{Algo, DOUBLING_MAX_BYTES};
 
-/// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
-/// the link says otherwise ([`Link::doubling_max`]).
-pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
-
-impl Algo {
-    /// Parses `ring`, `halving`, `doubling` or `auto`.
-    pub fn parse(s: &str) -> Result<Algo> {
-        Ok(match s {
-            "ring" => Algo::Ring,
-            "halving" | "rabenseifner" => Algo::Halving,
-            "doubling" => Algo::Doubling,
-            "auto" => Algo::Auto,
-            _ => {
-                return Err(Error::Config(format!(
-                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling or auto"
-                )))
-            }
-        })
-    }
-
-    /// Reads `RDMACOMM_ALGO` (default `auto`).
-    pub fn from_env() -> Result<Algo> {
-        match std::env::var("RDMACOMM_ALGO") {
-            Ok(v) if !v.is_empty() => Algo::parse(&v),
-            _ => Ok(Algo::Auto),
-        }
-    }
-
-    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
-    /// recursive doubling wins up to `doubling_max` bytes ([`Link::doubling_max`]): doubling up
-    /// to there, then halving-doubling, and the ring for non-powers of two (whose fold doubles
-    /// the traffic of two ranks).
-    pub fn choose(self, n: usize, bytes: usize, doubling_max: usize) -> Algo {
-        match self {
-            Algo::Auto if bytes <= doubling_max => Algo::Doubling,
-            Algo::Auto if n.is_power_of_two() => Algo::Halving,
-            Algo::Auto => Algo::Ring,
-            a => a,
-        }
-    }
+/// A number for the calling thread, unique for the life of the process.
+fn this_thread() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    ID.with(|id| *id)
 }
 
 /// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
-/// device exists, over TCP (`RDMACOMM_TRANSPORT`). Calls are serialized (the trait is `Sync`;
-/// one operation runs at a time).
+/// device exists, over TCP (`RDMACOMM_TRANSPORT`).
+///
+/// Threads: its operations run in the order one thread calls them, the same on every rank, so
+/// they belong to one thread: the one that created it (or, after a move, the one that called
+/// [`Comm::adopt`]). A call from any other thread fails with [`Error::WrongThread`] before it
+/// touches the wire. Give each thread its own with [`Comm::dup`]. [`Communicator::health`],
+/// `rank`, `size` and [`Comm::device`] may be called from any thread.
 pub struct Comm {
     rank: usize,
     size: usize,
@@ -82,25 +45,37 @@ pub struct Comm {
     poisoned: Mutex<Option<String>>,
     algo: Mutex<Algo>,
     cfg: Config,
+    /// The thread whose operations this communicator runs ([`this_thread`]).
+    owner: AtomicU64,
 }
 
 impl Comm {
     /// Joins the group described by `cfg` (every rank must call this). A world of one needs no
-    /// device.
+    /// device. The calling thread owns the communicator.
     pub fn new(cfg: &Config) -> Result<Self> {
         cfg.validate()?;
         crate::copy::requested()?;
         // Choose the copy kernel (its one timing, where it is measured) here, not inside the
         // first operation.
         crate::copy::kernel();
-        let link = if cfg.world_size > 1 {
+        let mut link = if cfg.world_size > 1 {
             Some(transport::connect(cfg, cfg.transport)?)
         } else {
             None
         };
         let (local, nlocal) = link.as_ref().map_or((0, 1), |l| l.local_rank());
-        cfg.pin.apply(local, nlocal)?;
-        Ok(Comm {
+        if let Err(e) = cfg.pin.apply(local, nlocal) {
+            // Known only now (it needs the number of local ranks): the group learns it too.
+            if let Some(l) = link.as_mut() {
+                l.abort(format!("its configuration is invalid: {e}"));
+            }
+            return Err(e);
+        }
+        Ok(Comm::with_link_of(cfg.clone(), link, cfg.algo))
+    }
+
+    fn with_link_of(cfg: Config, link: Option<Box<dyn Transport>>, algo: Algo) -> Comm {
+        Comm {
             rank: cfg.rank,
             size: cfg.world_size,
             inner: Mutex::new(Inner {
@@ -108,14 +83,71 @@ impl Comm {
                 scratch: Vec::new(),
             }),
             poisoned: Mutex::new(None),
-            algo: Mutex::new(Algo::from_env()?),
-            cfg: cfg.clone(),
-        })
+            algo: Mutex::new(algo),
+            cfg,
+            owner: AtomicU64::new(this_thread()),
+        }
     }
 
-    /// Joins the group described by the environment (see [`Config::from_env`]).
+    /// Joins the group described by the environment (see [`Config::from_env`]). A rank whose
+    /// settings are invalid still tells the group (through the rendezvous), so every rank fails
+    /// at once with an error naming that rank and variable.
     pub fn from_env() -> Result<Self> {
-        Comm::new(&Config::from_env()?)
+        let (rank, size, coordinator) = Config::identity_from_env()?;
+        match Config::new(rank, size, coordinator.clone()) {
+            Ok(cfg) => Comm::new(&cfg),
+            Err(e) => {
+                if size > 1 && rank < size {
+                    transport::rendezvous::refuse(
+                        &Config::defaults(rank, size, coordinator),
+                        &e.to_string(),
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes the calling thread this communicator's owner, after it was moved here (`&mut`:
+    /// no other thread can be using it meanwhile).
+    pub fn adopt(&mut self) {
+        *self.owner.get_mut() = this_thread();
+    }
+
+    /// A new communicator over the same ranks, independent of this one (its own connections,
+    /// sequence and failures), owned by the calling thread: one per thread that runs
+    /// operations. Collective: every rank must call it, in the same position.
+    pub fn dup(&self) -> Result<Comm> {
+        self.split_comm(0, self.rank as i32)
+    }
+
+    /// Fails unless the calling thread owns this communicator.
+    fn check_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
+        if self.owner.load(Ordering::Relaxed) == this_thread() {
+            return Ok(());
+        }
+        let t = std::thread::current();
+        Err(Error::WrongThread(format!(
+            "rank {}: {what} was called from thread {:?}, but this communicator runs the \
+             operations of the thread that created it (every rank must run them in one order): \
+             give each thread its own (Comm::dup), or move it and call Comm::adopt",
+            self.rank,
+            t.name().unwrap_or("unnamed")
+        )))
+    }
+
+    /// All-gathers `input` as step `step` of a split.
+    fn split_step(&self, step: u8, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_all_gather(self.size, input, output)?;
+        let n = input.len();
+        let desc = OpDesc {
+            algo: step,
+            ..OpDesc::new(OpKind::Split, n)
+        };
+        self.with_link(desc, Scope::All, |l, _| {
+            crate::copy::copy(&mut output[l.rank() * n..(l.rank() + 1) * n], input);
+            ring::all_gather(l, output)
+        })
     }
 
     /// Splits into subgroups (MPI_Comm_split / MLX's split), collectively over every rank of
@@ -129,8 +161,9 @@ impl Comm {
         let mut mine = [0u8; 8];
         mine[..4].copy_from_slice(&color.to_le_bytes());
         mine[4..].copy_from_slice(&key.to_le_bytes());
+        self.check_thread(&"split")?;
         let mut all = vec![0u8; 8 * n];
-        crate::Communicator::all_gather(self, &mine, &mut all)?;
+        self.split_step(1, &mine, &mut all)?;
         let entry = |q: usize| {
             let e = &all[8 * q..8 * q + 8];
             (
@@ -176,7 +209,7 @@ impl Comm {
             listener = Some(l);
         }
         let mut fields = vec![0u8; 64 * n];
-        crate::Communicator::all_gather(self, &field, &mut fields)?;
+        self.split_step(2, &field, &mut fields)?;
         let lead = members[0];
         let lead_addr = String::from_utf8_lossy(&fields[64 * lead..64 * lead + 64])
             .trim_end_matches('\0')
@@ -188,21 +221,39 @@ impl Comm {
         // Cards over this communicator: every rank takes part, even one that joins no subgroup.
         let exchange = |card: &[u8]| -> Result<Vec<Vec<u8>>> {
             let mut lens = vec![0u8; 4 * n];
-            crate::Communicator::all_gather(self, &(card.len() as u32).to_le_bytes(), &mut lens)?;
+            self.split_step(3, &(card.len() as u32).to_le_bytes(), &mut lens)?;
             let len_of =
                 |q: usize| u32::from_le_bytes(lens[4 * q..4 * q + 4].try_into().unwrap()) as usize;
             let max = (0..n).map(len_of).max().unwrap_or(0);
             let mut padded = card.to_vec();
             padded.resize(max, 0);
             let mut cards = vec![0u8; max * n];
-            crate::Communicator::all_gather(self, &padded, &mut cards)?;
+            self.split_step(4, &padded, &mut cards)?;
             Ok(members
                 .iter()
                 .map(|&q| cards[q * max..q * max + len_of(q)].to_vec())
-                .collect())
+                .collect::<Vec<_>>())
+        };
+        // A card as bytes: its common part's length and bytes, its entry size, its entries.
+        let flatten = |c: &Card| {
+            let mut v = (c.common.len() as u32).to_le_bytes().to_vec();
+            v.extend_from_slice(&c.common);
+            v.extend_from_slice(&(c.entry as u32).to_le_bytes());
+            v.extend_from_slice(&c.each);
+            v
+        };
+        let unflatten = |b: &[u8]| -> Result<Card> {
+            let mut r = crate::transport::bootstrap::Reader(b);
+            let common = r.bytes()?.to_vec();
+            let entry = r.u32()? as usize;
+            Ok(Card {
+                common,
+                entry,
+                each: r.0.to_vec(),
+            })
         };
         if !grouped {
-            exchange(&[])?;
+            exchange(&flatten(&Card::default()))?;
             let cfg = Config {
                 rank: 0,
                 world_size: 1,
@@ -213,23 +264,19 @@ impl Comm {
         let kind = self.cfg.transport;
         let meet_cfg = sub_cfg.clone();
         let link = transport::connect_with(&sub_cfg, kind, &mut |card| {
-            let cards = exchange(card)?;
-            let mut rv =
-                crate::transport::bootstrap::rendezvous_on(&meet_cfg, &[], listener.take())?;
+            let cards = exchange(&flatten(card))?
+                .iter()
+                .map(|b| unflatten(b).map(|c| c.for_rank(sub_rank)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut rv = crate::transport::rendezvous::rendezvous_on(
+                &meet_cfg,
+                &Card::default(),
+                listener.take(),
+            )?;
             rv.cards = cards;
             Ok(rv)
         })?;
-        Ok(Comm {
-            rank: sub_rank,
-            size: members.len(),
-            inner: Mutex::new(Inner {
-                link: Some(link),
-                scratch: Vec::new(),
-            }),
-            poisoned: Mutex::new(None),
-            algo: Mutex::new(self.algorithm()),
-            cfg: sub_cfg,
-        })
+        Ok(Comm::with_link_of(sub_cfg, Some(link), self.algorithm()))
     }
 
     /// Chooses the all_reduce algorithm (every rank must choose the same).
@@ -252,8 +299,16 @@ impl Comm {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs `f` on the link unless the communicator failed before; a failure poisons it.
-    fn with_link<T>(&self, f: impl FnOnce(&mut dyn Link, &mut Vec<u8>) -> Result<T>) -> Result<T> {
+    /// Runs operation `desc` with the peers of `scope` as `f` on the link, from the
+    /// owning thread, unless the communicator failed before. A failure poisons it; so does a
+    /// panic, which the peers are told of before it goes on unwinding.
+    fn with_link<T>(
+        &self,
+        desc: OpDesc,
+        scope: Scope,
+        f: impl FnOnce(&mut dyn Link, &mut Vec<u8>) -> Result<T>,
+    ) -> Result<T> {
+        self.check_thread(&desc)?;
         let mut g = self.lock();
         self.check_usable()?;
         let inner = &mut *g;
@@ -261,18 +316,41 @@ impl Comm {
             .link
             .as_deref_mut()
             .expect("world of one handled by the caller");
-        let r = f(link, &mut inner.scratch).and_then(|v| link.finish().map(|_| v));
+        link.start(&desc, scope);
+        let scratch = &mut inner.scratch;
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            f(&mut *link, scratch).and_then(|v| link.finish().map(|_| v))
+        }));
         link.release();
-        if let Err(e) = &r {
-            self.poison(e);
+        match r {
+            Ok(r) => {
+                if let Err(e) = &r {
+                    self.poison(e);
+                }
+                r
+            }
+            Err(panic) => {
+                let why = format!(
+                    "rank {} panicked inside {desc}: {}",
+                    self.rank,
+                    panic_text(&*panic)
+                );
+                link.abort(why.clone());
+                self.poison_with(why);
+                drop(g);
+                resume_unwind(panic)
+            }
         }
-        r
     }
 
     fn poison(&self, e: &Error) {
+        self.poison_with(e.to_string());
+    }
+
+    fn poison_with(&self, why: String) {
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
-            *p = Some(e.to_string());
+            *p = Some(why);
         }
     }
 
@@ -282,6 +360,20 @@ impl Comm {
             None => Ok(()),
         }
     }
+
+    /// For a world of one: the checks an operation makes before it would touch the wire.
+    fn alone(&self, what: &str) -> Result<()> {
+        self.check_thread(&what)?;
+        self.check_usable()
+    }
+}
+
+/// A panic's message, if it has one.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 impl Communicator for Comm {
@@ -296,10 +388,16 @@ impl Communicator for Comm {
     fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
         check_all_reduce(dtype, data)?;
         if self.size == 1 {
-            return self.check_usable();
+            return self.alone("all_reduce");
         }
         let algo = self.algorithm();
-        self.with_link(|l, scratch| {
+        let desc = OpDesc {
+            dtype: Some(dtype),
+            reduce: Some(op),
+            algo: algo.code(),
+            ..OpDesc::new(OpKind::AllReduce, data.len())
+        };
+        self.with_link(desc, Scope::All, |l, scratch| {
             l.lend(data);
             // Whole elements per slice; each slice is an all_reduce of its own, its algorithm
             // chosen by its size, so every rank still gets the same bits, run to run.
@@ -325,11 +423,11 @@ impl Communicator for Comm {
         check_all_gather(self.size, input, output)?;
         let n = input.len();
         if self.size == 1 {
-            self.check_usable()?;
+            self.alone("all_gather")?;
             crate::copy::copy(output, input);
             return Ok(());
         }
-        self.with_link(|l, _| {
+        self.with_link(OpDesc::new(OpKind::AllGather, n), Scope::All, |l, _| {
             crate::copy::copy(&mut output[l.rank() * n..(l.rank() + 1) * n], input);
             l.lend(output);
             ring::all_gather(l, output)
@@ -338,25 +436,38 @@ impl Communicator for Comm {
 
     fn send(&self, dst: usize, data: &[u8]) -> Result<()> {
         check_peer("send", self.rank, self.size, dst)?;
-        self.with_link(|l, _| {
-            l.lend(data);
-            p2p::send(l, dst, data)
-        })
+        self.with_link(
+            OpDesc::new(OpKind::SendRecv, data.len()),
+            Scope::To(dst),
+            |l, _| {
+                l.lend(data);
+                p2p::send(l, dst, data)
+            },
+        )
     }
 
     fn recv(&self, src: usize, data: &mut [u8]) -> Result<()> {
         check_peer("recv", self.rank, self.size, src)?;
-        self.with_link(|l, _| p2p::recv(l, src, data))
+        self.with_link(
+            OpDesc::new(OpKind::SendRecv, data.len()),
+            Scope::From(src),
+            |l, _| p2p::recv(l, src, data),
+        )
     }
 
     fn sum_scatter(&self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
         check_sum_scatter(self.size, dtype, input, output)?;
         if self.size == 1 {
-            self.check_usable()?;
+            self.alone("sum_scatter")?;
             crate::copy::copy(output, input);
             return Ok(());
         }
-        self.with_link(|l, scratch| {
+        let desc = OpDesc {
+            dtype: Some(dtype),
+            reduce: Some(AllReduce::Sum),
+            ..OpDesc::new(OpKind::SumScatter, input.len())
+        };
+        self.with_link(desc, Scope::All, |l, scratch| {
             scratch.clear();
             scratch.extend_from_slice(input);
             l.lend(scratch);
@@ -374,15 +485,19 @@ impl Communicator for Comm {
     /// Registers `buf` with the transport (fails, without running `f`, when registering fails,
     /// e.g. at the locked-memory limit, whose error says how to raise it, or when
     /// [`crate::transport::rdma::MAX_REGISTERED`] buffers are registered already); the
-    /// registration ends however `f` exits, a panic included.
+    /// registration ends however `f` exits. A panic in `f` poisons the communicator and tells
+    /// the peers before it goes on unwinding.
     fn with_registered(
         &self,
         buf: &mut [u8],
         f: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
-        self.check_usable()?;
+        self.alone("with_registered")?;
         let id = match self.lock().link.as_deref_mut() {
-            Some(l) => l.register(buf)?,
+            // SAFETY: `buf` is borrowed mutably for this whole call, and `_end` below ends the
+            // registration before the call returns or unwinds: it stays allocated and in place
+            // while registered.
+            Some(l) => unsafe { l.register(buf)? },
             None => None,
         };
         /// Ends the registration however `f` exits.
@@ -395,7 +510,21 @@ impl Communicator for Comm {
             }
         }
         let _end = Unregister(self, id);
-        f(buf)
+        match catch_unwind(AssertUnwindSafe(|| f(buf))) {
+            Ok(r) => r,
+            Err(panic) => {
+                let why = format!(
+                    "rank {} panicked inside with_registered: {}",
+                    self.rank,
+                    panic_text(&*panic)
+                );
+                if let Some(l) = self.lock().link.as_deref_mut() {
+                    l.abort(why.clone());
+                }
+                self.poison_with(why);
+                resume_unwind(panic)
+            }
+        }
     }
 
     fn split(&self, color: i32, key: i32) -> Result<std::sync::Arc<dyn Communicator>> {
@@ -405,17 +534,21 @@ impl Communicator for Comm {
     fn broadcast(&self, root: usize, data: &mut [u8]) -> Result<()> {
         check_root(root, self.size)?;
         if self.size == 1 {
-            return self.check_usable();
+            return self.alone("broadcast");
         }
-        // RDMACOMM_BCAST=chain|tree|auto. Auto (measured, 4 ranks on lo-rxe): the binomial tree up
-        // to 8 KiB on more than 2 ranks (fewer hops), the pipelined chain above (1.7 vs 3.2 ms
-        // at 32 KiB, 105 vs 139 ms at 2 MiB).
-        let tree = match std::env::var("RDMACOMM_BCAST").as_deref() {
-            Ok("tree") => true,
-            Ok("chain") => false,
-            _ => self.size > 2 && data.len() <= 8 << 10,
+        // Auto (measured, 4 ranks on lo-rxe): the binomial tree up to 8 KiB on more than 2
+        // ranks (fewer hops), the pipelined chain above (see docs/DESIGN.md).
+        let tree = match self.cfg.bcast {
+            Bcast::Tree => true,
+            Bcast::Chain => false,
+            Bcast::Auto => self.size > 2 && data.len() <= 8 << 10,
         };
-        self.with_link(|l, _| {
+        let desc = OpDesc {
+            root,
+            algo: self.cfg.bcast.code(),
+            ..OpDesc::new(OpKind::Broadcast, data.len())
+        };
+        self.with_link(desc, Scope::All, |l, _| {
             l.lend(data);
             if tree {
                 bcast::broadcast_tree(l, root, data)
@@ -427,13 +560,15 @@ impl Communicator for Comm {
 
     fn barrier(&self) -> Result<()> {
         if self.size == 1 {
-            return self.check_usable();
+            return self.alone("barrier");
         }
-        self.with_link(|l, _| bcast::barrier(l))
+        self.with_link(OpDesc::new(OpKind::Barrier, 0), Scope::All, |l, _| {
+            bcast::barrier(l)
+        })
     }
 
-    /// Never blocks: while another thread runs an operation, reports what is known (that
-    /// operation itself fails within the timeout if a peer is lost).
+    /// Never blocks, from any thread: while another thread runs an operation, reports what is
+    /// known (that operation itself fails within the timeout if a peer is lost).
     fn health(&self) -> Result<()> {
         self.check_usable()?;
         let mut g = match self.inner.try_lock() {

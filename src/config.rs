@@ -9,9 +9,166 @@
 //! of its bootstrap connection). `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`) picks the transport.
 //! World size 1 needs none of these.
 
+use crate::collectives::Algo;
 use crate::error::{Error, Result};
 use crate::verbs::DeviceChoice;
 use std::time::Duration;
+
+/// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
+pub const VARIABLES: [&str; 24] = [
+    "RDMACOMM_JOB_ID",
+    "RDMACOMM_SECRET",
+    "RDMACOMM_SECRET_FILE",
+    "RDMACOMM_RANK",
+    "RDMACOMM_WORLD_SIZE",
+    "RDMACOMM_COORDINATOR",
+    "RDMACOMM_BIND_ADDR",
+    "RDMACOMM_TIMEOUT",
+    "RDMACOMM_TRANSPORT",
+    "RDMACOMM_IB_DEVICE",
+    "RDMACOMM_IB_PORT",
+    "RDMACOMM_GID_INDEX",
+    "RDMACOMM_IB_TIMEOUT",
+    "RDMACOMM_IB_RETRY",
+    "RDMACOMM_SLOTS",
+    "RDMACOMM_SLOT_BYTES",
+    "RDMACOMM_TCP_CHUNK",
+    "RDMACOMM_ALGO",
+    "RDMACOMM_BCAST",
+    "RDMACOMM_POLL",
+    "RDMACOMM_ZERO_COPY_MIN",
+    "RDMACOMM_PIN",
+    "RDMACOMM_COPY",
+    "RDMACOMM_SIMD",
+];
+
+/// Variables of this project's tools and tests, which the library ignores.
+pub const TOOL_VARIABLES: [&str; 5] = [
+    "RDMACOMM_TEST_CHILD",
+    "RDMACOMM_REQUIRE_RDMA",
+    "RDMACOMM_SKIP_VM",
+    "RDMACOMM_PERF_BIN",
+    "RDMACOMM_BUILD",
+];
+
+/// The job's shared secret (`RDMACOMM_SECRET`, or the contents of `RDMACOMM_SECRET_FILE`): with
+/// it, nobody without it joins the rendezvous or learns its table. Never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    /// A secret of these bytes.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Secret {
+        Secret(bytes.into())
+    }
+
+    /// Its bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// The job's identity from the launcher: `RDMACOMM_JOB_ID`, torchrun's `TORCHELASTIC_RUN_ID`,
+/// Slurm's job and step ids, PMIx's namespace (Open MPI); empty when none is set. Ranks of
+/// another job that reach this job's rendezvous are ignored.
+pub fn job_id_from_env() -> String {
+    if let Some(v) = env("RDMACOMM_JOB_ID") {
+        return v;
+    }
+    if let Some(v) = env("TORCHELASTIC_RUN_ID") {
+        return format!("torchelastic:{v}");
+    }
+    if let Some(j) = env("SLURM_JOB_ID") {
+        return format!("slurm:{j}.{}", env("SLURM_STEP_ID").unwrap_or_default());
+    }
+    if let Some(ns) = env("PMIX_NAMESPACE") {
+        return format!("pmix:{ns}");
+    }
+    String::new()
+}
+
+/// Reads the shared secret, if one is set (a file's trailing newline is not part of it).
+fn secret_from_env() -> Result<Option<Secret>> {
+    if let Some(v) = env("RDMACOMM_SECRET") {
+        return Ok(Some(Secret(v.into_bytes())));
+    }
+    let Some(path) = env("RDMACOMM_SECRET_FILE") else {
+        return Ok(None);
+    };
+    let text = std::fs::read(&path)
+        .map_err(|e| Error::Config(format!("RDMACOMM_SECRET_FILE={path:?}: {e}")))?;
+    let end = text
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    if end == 0 {
+        return Err(Error::Config(format!(
+            "RDMACOMM_SECRET_FILE={path:?} is empty"
+        )));
+    }
+    Ok(Some(Secret(text[..end].to_vec())))
+}
+
+/// How broadcast sends (`RDMACOMM_BCAST`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bcast {
+    /// A pipelined chain from the root.
+    Chain,
+    /// A binomial tree of whole messages.
+    Tree,
+    /// The tree up to 8 KiB on more than two ranks, the chain otherwise.
+    Auto,
+}
+
+impl Bcast {
+    /// Parses `chain`, `tree` or `auto`.
+    pub fn parse(v: &str) -> Result<Bcast> {
+        match v {
+            "chain" => Ok(Bcast::Chain),
+            "tree" => Ok(Bcast::Tree),
+            "auto" => Ok(Bcast::Auto),
+            _ => Err(Error::Config(format!(
+                "RDMACOMM_BCAST={v:?}: use chain, tree or auto"
+            ))),
+        }
+    }
+
+    /// This setting as a number (its position in [`crate::transport::op::BROADCAST_ALGOS`]).
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+}
+
+/// How a waiting rank polls (`RDMACOMM_POLL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Poll {
+    /// Spin briefly, then yield, then sleep; never spin where local ranks outnumber cores.
+    Auto,
+    /// Never stop spinning (lowest latency; burns a core per waiting rank).
+    Spin,
+    /// Never spin: yield, then sleep.
+    Yield,
+}
+
+impl Poll {
+    /// Parses `auto`, `spin` or `yield`.
+    pub fn parse(v: &str) -> Result<Poll> {
+        match v {
+            "auto" => Ok(Poll::Auto),
+            "spin" => Ok(Poll::Spin),
+            "yield" => Ok(Poll::Yield),
+            _ => Err(Error::Config(format!(
+                "RDMACOMM_POLL={v:?}: use auto, spin or yield"
+            ))),
+        }
+    }
+}
 
 /// The default timeout for every wait on a peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -23,6 +180,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// 1 MiB 266 vs 330, 2 MiB 539 vs 610; 128 KiB - 64 was within the noise of it, larger chunks
 /// slower (less overlap of reduction and transfer).
 pub const DEFAULT_TCP_CHUNK: usize = (64 << 10) - 128;
+
+/// The largest world (the RDMA transport's work-request ids name a peer in 14 bits).
+pub const MAX_WORLD: usize = 1 << 14;
 
 /// Slots per peer and direction unless `RDMACOMM_SLOTS` says otherwise.
 pub const DEFAULT_SLOTS: usize = 4;
@@ -76,6 +236,25 @@ pub struct Config {
     pub transport: crate::transport::Kind,
     /// Whether and where to pin the thread that creates the communicator (`RDMACOMM_PIN`).
     pub pin: crate::pin::Pin,
+    /// The all_reduce algorithm (`RDMACOMM_ALGO`, default auto).
+    pub algo: Algo,
+    /// The broadcast algorithm (`RDMACOMM_BCAST`, default auto).
+    pub bcast: Bcast,
+    /// How waits poll (`RDMACOMM_POLL`, default auto).
+    pub poll: Poll,
+    /// Smallest buffer an operation registers for zero-copy RDMA sends (`RDMACOMM_ZERO_COPY_MIN`;
+    /// 0, the default, never: on soft-RoCE it ties with staging, and on an HCA registering per
+    /// call costs about what the copy it saves does; see docs/DESIGN.md).
+    pub zero_copy_min: usize,
+    /// The queue pairs' ACK timeout exponent (`RDMACOMM_IB_TIMEOUT`, 1..=31; default: derived
+    /// from `timeout`).
+    pub ib_timeout: Option<u8>,
+    /// The queue pairs' retry count (`RDMACOMM_IB_RETRY`, 0..=6; default 6).
+    pub ib_retry: Option<u8>,
+    /// The job's identity ([`job_id_from_env`]); alike on every rank.
+    pub job_id: String,
+    /// The job's shared secret, if any (alike on every rank).
+    pub secret: Option<Secret>,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -125,6 +304,29 @@ impl Config {
             Some(v) => parse_num("RDMACOMM_TCP_CHUNK", &v)?,
             None => DEFAULT_TCP_CHUNK,
         };
+        check_names()?;
+        let small = |name: &str, range: std::ops::RangeInclusive<u8>| -> Result<Option<u8>> {
+            let Some(v) = env(name) else { return Ok(None) };
+            match v.trim().parse::<u8>() {
+                Ok(x) if range.contains(&x) => Ok(Some(x)),
+                _ => Err(Error::Config(format!(
+                    "{name}={v:?}: must be a whole number in {}..={}",
+                    range.start(),
+                    range.end()
+                ))),
+            }
+        };
+        let ib_timeout = small("RDMACOMM_IB_TIMEOUT", 1..=31)?;
+        let ib_retry = small("RDMACOMM_IB_RETRY", 0..=6)?;
+        let zero_copy_min = match env("RDMACOMM_ZERO_COPY_MIN") {
+            Some(v) => v.trim().parse().map_err(|_| {
+                Error::Config(format!(
+                    "RDMACOMM_ZERO_COPY_MIN={v:?}: a byte count (0 turns zero-copy sends off)"
+                ))
+            })?,
+            None => 0,
+        };
+        crate::copy::requested()?;
         let cfg = Config {
             rank,
             world_size,
@@ -137,13 +339,68 @@ impl Config {
             tcp_chunk,
             transport: crate::transport::Kind::from_env()?,
             pin: crate::pin::Pin::parse(&env("RDMACOMM_PIN").unwrap_or_default())?,
+            algo: Algo::parse(env("RDMACOMM_ALGO").as_deref().unwrap_or("auto").trim())?,
+            bcast: Bcast::parse(env("RDMACOMM_BCAST").as_deref().unwrap_or("auto").trim())?,
+            poll: Poll::parse(env("RDMACOMM_POLL").as_deref().unwrap_or("auto").trim())?,
+            zero_copy_min,
+            ib_timeout,
+            ib_retry,
+            job_id: job_id_from_env(),
+            secret: secret_from_env()?,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// Reads rank, world size and coordinator from the environment (see the module docs).
+    /// Reads rank, world size and coordinator from the environment (see the module docs), and
+    /// every setting.
     pub fn from_env() -> Result<Self> {
+        let (rank, size, coordinator) = Config::identity_from_env()?;
+        Config::new(rank, size, coordinator)
+    }
+
+    /// A config with this identity and every setting at its default, without reading the
+    /// environment (for a rank whose settings are bad to tell the group, and for tests).
+    pub fn defaults(rank: usize, world_size: usize, coordinator: impl Into<String>) -> Self {
+        Config {
+            rank,
+            world_size,
+            coordinator: coordinator.into(),
+            bind_addr: None,
+            timeout: DEFAULT_TIMEOUT,
+            device: DeviceChoice::default(),
+            slot_bytes: default_slot_bytes(world_size, DEFAULT_SLOTS),
+            slots: DEFAULT_SLOTS,
+            tcp_chunk: DEFAULT_TCP_CHUNK,
+            transport: crate::transport::Kind::Auto,
+            pin: crate::pin::Pin::Off,
+            algo: Algo::Auto,
+            bcast: Bcast::Auto,
+            poll: Poll::Auto,
+            zero_copy_min: 0,
+            ib_timeout: None,
+            ib_retry: None,
+            job_id: job_id_from_env(),
+            secret: secret_from_env().ok().flatten(),
+        }
+    }
+
+    /// The settings every rank must share, as `NAME=value` words (compared at the rendezvous,
+    /// so that a difference is named before any operation runs).
+    pub fn shared_settings(&self) -> String {
+        format!(
+            "RDMACOMM_ALGO={} RDMACOMM_BCAST={} RDMACOMM_SLOTS={} RDMACOMM_SLOT_BYTES={} \
+             RDMACOMM_TCP_CHUNK={}",
+            crate::transport::op::ALL_REDUCE_ALGOS[self.algo.code() as usize],
+            crate::transport::op::BROADCAST_ALGOS[self.bcast.code() as usize],
+            self.slots,
+            self.slot_bytes,
+            self.tcp_chunk
+        )
+    }
+
+    /// This rank's identity from the environment: rank, world size and coordinator.
+    pub fn identity_from_env() -> Result<(usize, usize, String)> {
         let (rank, size) = if let Some(p) = pair("RDMACOMM_RANK", "RDMACOMM_WORLD_SIZE")? {
             p
         } else if let Some(p) = pair("RANK", "WORLD_SIZE")? {
@@ -158,7 +415,15 @@ impl Config {
         let coordinator = match env("RDMACOMM_COORDINATOR") {
             Some(c) => c,
             None => match env("MASTER_ADDR") {
-                Some(a) => format!("{a}:{}", env("MASTER_PORT").unwrap_or_else(|| "29500".into())),
+                Some(a) => {
+                    let port = env("MASTER_PORT").unwrap_or_else(|| "29500".into());
+                    // An IPv6 literal meets its port in brackets.
+                    if a.contains(':') && !a.starts_with('[') {
+                        format!("[{a}]:{port}")
+                    } else {
+                        format!("{a}:{port}")
+                    }
+                }
                 None if size == 1 => String::new(),
                 None => {
                     return Err(Error::Config(format!(
@@ -168,13 +433,20 @@ impl Config {
                 }
             },
         };
-        Config::new(rank, size, coordinator)
+        Ok((rank, size, coordinator))
     }
 
     /// Checks ranges and geometry.
     pub fn validate(&self) -> Result<()> {
         if self.world_size == 0 {
             return Err(Error::Config("world size must be at least 1".into()));
+        }
+        if self.world_size > MAX_WORLD {
+            return Err(Error::Config(format!(
+                "world size {} is more than rdmacomm supports ({MAX_WORLD}: a work request names \
+                 its peer in 14 bits)",
+                self.world_size
+            )));
         }
         if self.rank >= self.world_size {
             return Err(Error::Config(format!(
@@ -207,9 +479,74 @@ impl Config {
     }
 }
 
+/// Fails on an `RDMACOMM_*` variable that nothing reads (a typo), naming the closest known one.
+fn check_names() -> Result<()> {
+    for (k, _) in std::env::vars_os() {
+        let Some(k) = k.to_str() else { continue };
+        if !k.starts_with("RDMACOMM_") || VARIABLES.contains(&k) || TOOL_VARIABLES.contains(&k) {
+            continue;
+        }
+        let near = VARIABLES
+            .iter()
+            .min_by_key(|v| distance(k, v))
+            .expect("listed");
+        return Err(Error::Config(format!(
+            "{k} is not a setting of rdmacomm (did you mean {near}?)"
+        )));
+    }
+    Ok(())
+}
+
+/// Edit distance between two names, for suggestions.
+fn distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for j in 0..b.len() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != b[j]))
+                .min(row[j] + 1)
+                .min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn suggestions_pick_the_closest_name() {
+        assert_eq!(distance("RDMACOMM_TIMOUT", "RDMACOMM_TIMEOUT"), 1);
+        let near = VARIABLES
+            .iter()
+            .min_by_key(|v| distance("RDMACOMM_ALOG", v))
+            .unwrap();
+        assert_eq!(*near, "RDMACOMM_ALGO");
+    }
+
+    #[test]
+    fn settings_parse_or_name_the_accepted_values() {
+        assert_eq!(Poll::parse("yield").unwrap(), Poll::Yield);
+        let e = Poll::parse("fast").unwrap_err().to_string();
+        assert!(
+            e.contains("RDMACOMM_POLL=\"fast\"") && e.contains("auto, spin or yield"),
+            "{e}"
+        );
+        assert_eq!(Bcast::parse("tree").unwrap(), Bcast::Tree);
+        let e = Bcast::parse("tre").unwrap_err().to_string();
+        assert!(
+            e.contains("RDMACOMM_BCAST=\"tre\"") && e.contains("chain, tree or auto"),
+            "{e}"
+        );
+        let d = Config::defaults(0, 2, "127.0.0.1:1");
+        assert!(d.validate().is_ok());
+        assert!(d.shared_settings().contains("RDMACOMM_ALGO=auto"));
+    }
 
     #[test]
     fn default_slot_sizes_fit_the_budget() {

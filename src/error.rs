@@ -63,6 +63,18 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// This rank and a peer called different operations (or the same one with different
+    /// arguments) at the same position; the message names both calls.
+    #[error("{reason} (peer {peer})")]
+    Mismatch {
+        /// The peer whose call differs.
+        peer: Peer,
+        /// Both calls, in words.
+        reason: String,
+    },
+    /// An operation was called from a thread that does not own the communicator.
+    #[error("wrong thread: {0}")]
+    WrongThread(String),
     /// Waiting on a peer took longer than the configured timeout.
     #[error("timed out after {after:?} waiting for peer {peer} ({what}); set RDMACOMM_TIMEOUT to wait longer")]
     Timeout {
@@ -96,7 +108,9 @@ impl Error {
     /// The peer this error names, if any.
     pub fn peer(&self) -> Option<&Peer> {
         match self {
-            Error::PeerFailed { peer, .. } | Error::Timeout { peer, .. } => Some(peer),
+            Error::PeerFailed { peer, .. }
+            | Error::Timeout { peer, .. }
+            | Error::Mismatch { peer, .. } => Some(peer),
             _ => None,
         }
     }

@@ -190,6 +190,101 @@ fn coordinator_killed_between_collectives() {
     kill_case("coordinator_killed_between_collectives", 3, 0, "between");
 }
 
+/// A rank stopped (SIGSTOP) during 1 MiB all_reduces: every survivor, whether it waits on the
+/// stopped rank or on a rank that waits on it, names the stopped rank, within the timeout and
+/// the stall window. Survivors then kill it (its pid came round in an all_gather).
+fn stop_body() {
+    let (r, n) = rank_size();
+    let victim: usize = env_var("RXE_TEST_VICTIM").parse().unwrap();
+    let c = Comm::from_env().unwrap();
+    let mut pids = vec![0u8; 4 * n];
+    c.all_gather(&std::process::id().to_le_bytes(), &mut pids)
+        .unwrap();
+    let pid = |q: usize| u32::from_le_bytes(pids[4 * q..4 * q + 4].try_into().unwrap());
+    if r == victim {
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: plain libc call on our own process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        });
+    }
+    let mut data = vec![0u8; 1 << 20];
+    let t0 = Instant::now();
+    loop {
+        let started = Instant::now();
+        if let Err(e) = c.all_reduce(AllReduce::Sum, DType::f32, &mut data) {
+            check_failure(&c, &e, victim, started);
+            assert!(
+                started.elapsed() < STOP_BOUND,
+                "rank {r}: named it after {:?}",
+                started.elapsed()
+            );
+            assert!(matches!(e, Error::Timeout { .. }), "rank {r}: {e}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no failure noticed");
+    }
+    // The others named it within milliseconds of this rank; let them finish before the kill
+    // turns their view into a dead peer's.
+    std::thread::sleep(Duration::from_secs(2));
+    // SAFETY: plain libc call; the pid is the stopped rank's (a sibling process of this test).
+    unsafe { libc::kill(pid(victim) as i32, libc::SIGKILL) };
+}
+
+/// RDMACOMM_TIMEOUT of the stop test, and its bound: the timeout, the stall verdict (at most
+/// 0.8 s), and the part of the operation that ran before the stop, in the emulated VM.
+const STOP_TIMEOUT_S: u64 = 5;
+const STOP_BOUND: Duration = Duration::from_secs(STOP_TIMEOUT_S + 3);
+
+fn stop_case(name: &str, victim: usize) {
+    if !parent_ready(name, stop_body) {
+        return;
+    }
+    let v = victim.to_string();
+    let res = spawn(
+        name,
+        4,
+        Placement::Local,
+        &|_| {
+            vec![
+                ("RDMACOMM_TIMEOUT".into(), STOP_TIMEOUT_S.to_string()),
+                ("RXE_TEST_VICTIM".into(), v.clone()),
+            ]
+        },
+        Duration::from_secs(90),
+    );
+    for x in &res {
+        if x.rank == victim {
+            assert_eq!(x.code, None, "the victim was killed: {}", x.output);
+            continue;
+        }
+        assert!(
+            x.code == Some(0) && x.output.contains("FAILED-AS-EXPECTED"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+        println!(
+            "{}",
+            x.output
+                .lines()
+                .filter(|l| l.contains("saw after"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
+
+#[test]
+fn a_stopped_rank_is_named_on_every_survivor() {
+    stop_case("a_stopped_rank_is_named_on_every_survivor", 2);
+}
+
+#[test]
+fn a_stopped_coordinator_is_named_on_every_survivor() {
+    stop_case("a_stopped_coordinator_is_named_on_every_survivor", 0);
+}
+
 fn link_body() {
     let (r, n) = rank_size();
     let c = Comm::from_env().unwrap();

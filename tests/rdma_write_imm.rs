@@ -6,7 +6,7 @@ mod common;
 use common::handshake::{decode, encode, pair_line, swap};
 use common::*;
 use rdmacomm::verbs::{
-    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy,
+    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
 };
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ fn rank_body() {
     );
     let pd = ctx.alloc_pd().unwrap();
     // [0, LEN): what we send; [LEN, 2 LEN): where the peer writes.
-    let buf = RegisteredBuffer::new(&pd, 2 * LEN).unwrap();
+    let mut buf = RegisteredBuffer::new(&pd, 2 * LEN).unwrap();
     for (i, b) in buf.slice_mut(0, LEN).iter_mut().enumerate() {
         *b = pattern(rank, i);
     }
@@ -50,9 +50,11 @@ fn rank_body() {
     unsafe {
         qp.post_write(
             1,
-            buf.lkey(),
-            buf.addr(),
-            LEN as u32,
+            &[Sge {
+                lkey: buf.lkey(),
+                addr: buf.addr(),
+                len: LEN as u32,
+            }],
             rkey,
             raddr,
             Some(imm),

@@ -22,7 +22,8 @@ struct Opts {
     op: AllReduce,
     coll: String,
     local: Option<usize>,
-    algo: Algo,
+    /// `--algo`; otherwise the communicator's (RDMACOMM_ALGO).
+    algo: Option<Algo>,
     /// Register the buffers once (`Communicator::with_registered`), as nccl-tests' `-R 1`.
     register: bool,
 }
@@ -52,7 +53,7 @@ fn parse() -> Result<Opts, String> {
         op: AllReduce::Sum,
         coll: "all_reduce".into(),
         local: None,
-        algo: Algo::from_env().map_err(|e| e.to_string())?,
+        algo: None,
         register: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -70,7 +71,7 @@ fn parse() -> Result<Opts, String> {
             "-d" | "--datatype" => o.dtype = DType::parse(&v).map_err(|e| e.to_string())?,
             "-o" | "--op" => o.op = AllReduce::parse(&v).map_err(|e| e.to_string())?,
             "--coll" => o.coll = v.clone(),
-            "--algo" => o.algo = Algo::parse(&v).map_err(|e| e.to_string())?,
+            "--algo" => o.algo = Some(Algo::parse(&v).map_err(|e| e.to_string())?),
             "-R" | "--register" => o.register = v != "0",
             "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
             "-h" | "--help" => {
@@ -321,7 +322,9 @@ fn sweep(
 
 fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     let c = Comm::from_env()?;
-    c.set_algorithm(o.algo);
+    if let Some(a) = o.algo {
+        c.set_algorithm(a);
+    }
     let (r, n, s) = (c.rank(), c.size(), o.dtype.size());
     let unit = match o.coll.as_str() {
         "all_gather" | "sum_scatter" => s * n,
@@ -351,7 +354,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
             o.coll,
             o.dtype.name(),
             o.op.name(),
-            o.algo,
+            c.algorithm(),
             rdmacomm::copy::kernel(),
             if o.register {
                 ", buffers registered"

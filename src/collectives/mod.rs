@@ -9,6 +9,59 @@ use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
 use crate::transport::Link;
 
+/// The all_reduce algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algo {
+    /// Pipelined ring: reduce-scatter then all-gather (bandwidth-optimal, 2(n-1) steps).
+    Ring,
+    /// Recursive halving-doubling (Rabenseifner): bandwidth-optimal in 2 log2(n) steps.
+    Halving,
+    /// Recursive doubling of the whole vector: log2(n) steps, for small messages.
+    Doubling,
+    /// Chosen by size and world size (see [`Algo::choose`]).
+    Auto,
+}
+
+/// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
+/// the link says otherwise ([`crate::transport::Link::doubling_max`]).
+pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
+
+impl Algo {
+    /// This setting as a number (its position in [`crate::transport::op::ALL_REDUCE_ALGOS`]).
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// Parses `ring`, `halving`, `doubling` or `auto`.
+    pub fn parse(s: &str) -> Result<Algo> {
+        Ok(match s {
+            "ring" => Algo::Ring,
+            "halving" | "rabenseifner" => Algo::Halving,
+            "doubling" => Algo::Doubling,
+            "auto" => Algo::Auto,
+            _ => {
+                return Err(Error::Config(format!(
+                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling or auto"
+                )))
+            }
+        })
+    }
+
+    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
+    /// recursive doubling wins up to `doubling_max` bytes
+    /// ([`crate::transport::Link::doubling_max`]): doubling up
+    /// to there, then halving-doubling, and the ring for non-powers of two (whose fold doubles
+    /// the traffic of two ranks).
+    pub fn choose(self, n: usize, bytes: usize, doubling_max: usize) -> Algo {
+        match self {
+            Algo::Auto if bytes <= doubling_max => Algo::Doubling,
+            Algo::Auto if n.is_power_of_two() => Algo::Halving,
+            Algo::Auto => Algo::Ring,
+            a => a,
+        }
+    }
+}
+
 /// Takes the next chunk from `from` into `dst`: reduced in (`dst = op(dst, src)`) through
 /// [`Link::try_take`], or, without `reduce`, placed by [`Link::try_take_into`] (which a transport
 /// may do without staging). Until it returns true, call it again with the same `dst`.

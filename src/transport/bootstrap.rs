@@ -1,25 +1,35 @@
-//! TCP rendezvous: rank 0 accepts every rank, checks world sizes and ranks, and hands everyone
-//! every rank's "card" (its queue pair endpoints and memory keys). The connections stay open as
-//! the side channel (barrier now; health and abort use it too).
+//! The bootstrap's wire (length-prefixed frames over TCP) and the side channel: the rendezvous'
+//! connections (rank 0 to every rank), kept open for barriers, aborts, stall reports and
+//! goodbyes. The rendezvous itself is [`crate::transport::rendezvous`].
 
-use crate::config::Config;
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-const MAGIC: u32 = 0x5244_4d43; // "RDMC"
-/// The wire protocol's version (2: TCP frames of whole 64-byte multiples), checked at the
-/// rendezvous so that mixed builds fail with a clear error instead of misreading each other.
-const VERSION: u16 = 2;
-const HELLO: u8 = 1;
-const REJECT: u8 = 2;
-const TABLE: u8 = 3;
+pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
+/// The wire protocol's version (4: a challenge first; the HELLO carries the job, the shared
+/// settings, a configuration error and a MAC; per-rank tables with a session key; operation
+/// descriptors on the data path), checked at the rendezvous so that mixed builds fail with a
+/// clear error instead of misreading each other.
+pub(crate) const VERSION: u16 = 4;
+pub(crate) const HELLO: u8 = 1;
+pub(crate) const REJECT: u8 = 2;
+pub(crate) const TABLE: u8 = 3;
 const READY: u8 = 4;
 const GO: u8 = 5;
-const ABORT: u8 = 6;
+pub(crate) const ABORT: u8 = 6;
 const BYE: u8 = 7;
+/// A rank's wait ran out: it names the rank it waits on (to rank 0, which judges).
+const STALLED: u8 = 8;
 const MAX_FRAME: usize = 64 << 20;
+
+/// How long rank 0 gathers stall reports before it names the rank the waits lead to (the ranks
+/// waiting on a stopped one run out of time within milliseconds of each other).
+pub const STALL_WINDOW: Duration = Duration::from_millis(400);
+
+/// How a stall verdict begins.
+pub const STALL_VERDICT: &str = "stopped making progress";
 
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.
 pub struct SideChannel {
@@ -37,16 +47,12 @@ pub struct SideChannel {
     /// The first failure learned here: (failed rank, reason).
     failure: Option<(usize, String)>,
     abort_sent: bool,
-}
-
-/// What the rendezvous returns: every rank's card and host address, and the side channel.
-pub struct Rendezvous {
-    /// Card of each rank, by rank.
-    pub cards: Vec<Vec<u8>>,
-    /// Host address of each rank, by rank.
-    pub addrs: Vec<String>,
-    /// The connections, kept open.
-    pub side: SideChannel,
+    /// Rank 0: whom each rank said it waits on after its wait ran out.
+    stalls: Vec<Option<usize>>,
+    /// Rank 0: when the first stall report came.
+    stall_since: Option<Instant>,
+    /// Whom this rank waits on now, if it is inside an operation.
+    pub(crate) waiting: Option<usize>,
 }
 
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -83,7 +89,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
+pub(crate) fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
     let mut f = Vec::with_capacity(body.len() + 5);
     f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
     f.push(kind);
@@ -91,7 +97,7 @@ fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
     s.write_all(&f)
 }
 
-fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {
+pub(crate) fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {
     let mut read_exact = |buf: &mut [u8]| -> std::io::Result<()> {
         let mut got = 0;
         while got < buf.len() {
@@ -130,251 +136,6 @@ fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<
     read_exact(&mut body)?;
     let kind = body.remove(0);
     Ok((kind, body))
-}
-
-fn resolve(addr: &str) -> Result<std::net::SocketAddr> {
-    addr.to_socket_addrs()
-        .map_err(|e| Error::Config(format!("coordinator address {addr:?}: {e}")))?
-        .next()
-        .ok_or_else(|| Error::Config(format!("coordinator address {addr:?} resolves to nothing")))
-}
-
-/// Joins the group: exchanges `card` with every rank through rank 0.
-pub fn rendezvous(cfg: &Config, card: &[u8]) -> Result<Rendezvous> {
-    rendezvous_on(cfg, card, None)
-}
-
-/// [`rendezvous`], with rank 0 accepting on `listener` when given (already bound, so its
-/// address could be shared beforehand).
-pub fn rendezvous_on(
-    cfg: &Config,
-    card: &[u8],
-    listener: Option<TcpListener>,
-) -> Result<Rendezvous> {
-    let deadline = Instant::now() + cfg.timeout;
-    if cfg.rank == 0 {
-        coordinate(cfg, card, deadline, listener)
-    } else {
-        join(cfg, card, deadline)
-    }
-}
-
-fn coordinate(
-    cfg: &Config,
-    card: &[u8],
-    deadline: Instant,
-    listener: Option<TcpListener>,
-) -> Result<Rendezvous> {
-    let n = cfg.world_size;
-    let sa = resolve(&cfg.coordinator)?;
-    let listener = match listener {
-        Some(l) => l,
-        None => TcpListener::bind(sa).map_err(|e| {
-        Error::Bootstrap(format!(
-            "rank 0 cannot listen on {sa}: {e}{}",
-            if e.kind() == ErrorKind::AddrInUse {
-                " (the coordinator port is already in use: pick another MASTER_PORT / RDMACOMM_COORDINATOR)"
-            } else {
-                ""
-            }
-        ))
-    })?,
-    };
-
-    listener.set_nonblocking(true)?;
-    let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
-    let mut cards: Vec<Vec<u8>> = vec![Vec::new(); n];
-    let mut addrs: Vec<String> = vec![String::new(); n];
-    cards[0] = card.to_vec();
-    addrs[0] = cfg.bind_addr.clone().unwrap_or_else(|| sa.ip().to_string());
-    let mut joined = 1;
-    let abort_all = |streams: &mut Vec<Option<TcpStream>>, reason: &str| {
-        for s in streams.iter_mut().flatten() {
-            let _ = send_frame(s, ABORT, reason.as_bytes());
-        }
-    };
-    while joined < n {
-        if Instant::now() >= deadline {
-            let missing: Vec<usize> = (1..n).filter(|&r| streams[r].is_none()).collect();
-            let reason = format!(
-                "rank(s) {missing:?} of {n} never joined at {} within {:?}",
-                cfg.coordinator, cfg.timeout
-            );
-            abort_all(&mut streams, &reason);
-            return Err(Error::Bootstrap(reason));
-        }
-        let (mut s, from) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
-            Err(e) => return Err(Error::Bootstrap(format!("accept on {sa}: {e}"))),
-        };
-        s.set_nonblocking(false)?;
-        s.set_nodelay(true)?;
-        let hello_deadline = deadline.min(Instant::now() + Duration::from_secs(10));
-        let Ok((HELLO, body)) = recv_frame(&mut s, hello_deadline) else {
-            continue; // not one of ours, or gave up: ignore it
-        };
-        let mut r = Reader(&body);
-        let (magic, rank, size) = (r.u32()?, r.u32()?, r.u32()?);
-        let their_card = r.bytes()?.to_vec();
-        let their_addr = r.string().unwrap_or_default();
-        let addr = if their_addr.is_empty() {
-            from.ip().to_string()
-        } else {
-            their_addr
-        };
-        let problem = if magic != MAGIC ^ VERSION as u32 {
-            Some(format!(
-                "a process at {addr} speaks another rdmacomm protocol version"
-            ))
-        } else if size as usize != n {
-            Some(format!(
-                "world size mismatch: rank {rank} at {addr} has world size {size} but rank 0 has {n}; \
-                 every rank must be started with the same WORLD_SIZE"
-            ))
-        } else if rank == 0 || rank as usize >= n {
-            Some(format!(
-                "a process at {addr} claims rank {rank}, which is not in 1..{n}"
-            ))
-        } else if streams[rank as usize].is_some() {
-            Some(format!(
-                "rank {rank} joined twice (from {} and from {addr}); each rank must be unique",
-                addrs[rank as usize]
-            ))
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
-            let _ = send_frame(&mut s, REJECT, reason.as_bytes());
-            abort_all(&mut streams, &reason);
-            return Err(Error::Bootstrap(reason));
-        }
-        let rank = rank as usize;
-        cards[rank] = their_card;
-        addrs[rank] = addr;
-        streams[rank] = Some(s);
-        joined += 1;
-    }
-    let mut table = Vec::new();
-    for r in 0..n {
-        put_bytes(&mut table, addrs[r].as_bytes());
-        put_bytes(&mut table, &cards[r]);
-    }
-    for (r, s) in streams.iter_mut().enumerate() {
-        if let Some(s) = s {
-            send_frame(s, TABLE, &table).map_err(|e| Error::PeerFailed {
-                peer: crate::Peer {
-                    rank: r,
-                    addr: addrs[r].clone(),
-                },
-                reason: format!("sending the endpoint table: {e}"),
-            })?;
-        }
-    }
-    Ok(Rendezvous {
-        cards,
-        addrs: addrs.clone(),
-        side: SideChannel::new(0, streams, addrs, cfg.timeout),
-    })
-}
-
-fn join(cfg: &Config, card: &[u8], deadline: Instant) -> Result<Rendezvous> {
-    let sa = resolve(&cfg.coordinator)?;
-    let bind = match &cfg.bind_addr {
-        Some(a) => Some(a.parse::<std::net::IpAddr>().map_err(|_| {
-            Error::Config(format!("RDMACOMM_BIND_ADDR={a:?} is not an IP address"))
-        })?),
-        None => None,
-    };
-    let connect = || -> std::io::Result<TcpStream> {
-        let sock = socket2::Socket::new(
-            socket2::Domain::for_address(sa),
-            socket2::Type::STREAM,
-            None,
-        )?;
-        if let Some(ip) = bind {
-            sock.bind(&std::net::SocketAddr::new(ip, 0).into())?;
-        }
-        sock.connect_timeout(&sa.into(), Duration::from_secs(1))?;
-        Ok(sock.into())
-    };
-    let mut s = loop {
-        match connect() {
-            Ok(s) => break s,
-            Err(e) => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Bootstrap(format!(
-                        "rank {} could not reach the coordinator (rank 0) at {sa} within {:?}: {e}",
-                        cfg.rank, cfg.timeout
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    };
-    s.set_nodelay(true)?;
-    let mut hello = Vec::new();
-    hello.extend_from_slice(&(MAGIC ^ VERSION as u32).to_le_bytes());
-    hello.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
-    hello.extend_from_slice(&(cfg.world_size as u32).to_le_bytes());
-    put_bytes(&mut hello, card);
-    put_bytes(
-        &mut hello,
-        cfg.bind_addr.as_deref().unwrap_or("").as_bytes(),
-    );
-    let coord = crate::Peer {
-        rank: 0,
-        addr: sa.to_string(),
-    };
-    send_frame(&mut s, HELLO, &hello).map_err(|e| Error::PeerFailed {
-        peer: coord.clone(),
-        reason: format!("sending hello: {e}"),
-    })?;
-    // Wait a little past our own deadline: the coordinator's verdict (which names the missing
-    // ranks) is sent at its deadline, which started no earlier than ours.
-    let grace = (cfg.timeout / 4).max(Duration::from_secs(2));
-    let (kind, body) = recv_frame(&mut s, deadline + grace).map_err(|e| {
-        if e.kind() == ErrorKind::TimedOut {
-            Error::Bootstrap(format!(
-                "rank {}: the coordinator {sa} did not complete the rendezvous within {:?} (some rank never joined?)",
-                cfg.rank, cfg.timeout
-            ))
-        } else {
-            Error::PeerFailed { peer: coord.clone(), reason: format!("waiting for the endpoint table: {e}") }
-        }
-    })?;
-    match kind {
-        TABLE => {}
-        REJECT | ABORT => {
-            return Err(Error::Bootstrap(format!(
-                "rank {}: the coordinator refused the group: {}",
-                cfg.rank,
-                String::from_utf8_lossy(&body)
-            )))
-        }
-        k => {
-            return Err(Error::Bootstrap(format!(
-                "unexpected message {k} from the coordinator"
-            )))
-        }
-    }
-    let mut r = Reader(&body);
-    let mut cards = Vec::with_capacity(cfg.world_size);
-    let mut addrs = Vec::with_capacity(cfg.world_size);
-    for _ in 0..cfg.world_size {
-        addrs.push(r.string()?);
-        cards.push(r.bytes()?.to_vec());
-    }
-    let mut streams: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
-    streams[0] = Some(s);
-    Ok(Rendezvous {
-        cards,
-        addrs: addrs.clone(),
-        side: SideChannel::new(cfg.rank, streams, addrs, cfg.timeout),
-    })
 }
 
 impl SideChannel {
@@ -525,6 +286,9 @@ impl SideChannel {
                 }
             }
         }
+        if self.rank == 0 {
+            self.judge_stalls();
+        }
     }
 
     fn parse(&mut self, r: usize) {
@@ -560,6 +324,13 @@ impl SideChannel {
                     }
                 }
                 BYE => self.left[r] = true,
+                STALLED if self.rank == 0 => {
+                    let on = Reader(&body).u32().map_or(usize::MAX, |w| w as usize);
+                    if on < self.stalls.len() {
+                        self.stalls[r] = Some(on);
+                        self.stall_since.get_or_insert_with(Instant::now);
+                    }
+                }
                 READY => self.ready[r] = true,
                 GO => self.go = true,
                 _ => {}
@@ -635,7 +406,8 @@ impl SideChannel {
         }
     }
 
-    fn new(
+    /// The side channel over the rendezvous' connections (`streams[r]`: to rank r, if held).
+    pub(crate) fn new(
         rank: usize,
         streams: Vec<Option<TcpStream>>,
         addrs: Vec<String>,
@@ -653,7 +425,74 @@ impl SideChannel {
             go: false,
             failure: None,
             abort_sent: false,
+            stalls: vec![None; n],
+            stall_since: None,
+            waiting: None,
         }
+    }
+
+    /// This rank's wait on `waiting_on` ran out: tell rank 0 (or, on rank 0, note it), which
+    /// names the rank the waits lead to once the reports are in ([`STALL_WINDOW`]).
+    pub fn report_stall(&mut self, waiting_on: usize) {
+        if self.rank == 0 {
+            self.stalls[0] = Some(waiting_on);
+            self.stall_since.get_or_insert_with(Instant::now);
+        } else if let Some(s) = self.streams[0].as_mut() {
+            let _ = send_frame(s, STALLED, &(waiting_on as u32).to_le_bytes());
+        }
+    }
+
+    /// Rank 0, once stall reports have gathered for [`STALL_WINDOW`]: follows the waits from
+    /// the first reporter to a rank that waits on nobody, and tells the group it stopped.
+    fn judge_stalls(&mut self) {
+        let Some(since) = self.stall_since else {
+            return;
+        };
+        if self.failure.is_some() || since.elapsed() < STALL_WINDOW {
+            return;
+        }
+        let mut waits = self.stalls.clone();
+        if waits[0].is_none() {
+            waits[0] = self.waiting; // rank 0 itself, waiting but not yet out of time
+        }
+        let Some(first) = (0..waits.len()).find(|&r| self.stalls[r].is_some()) else {
+            return;
+        };
+        let mut chain = vec![first];
+        let mut cycle = false;
+        while let Some(next) = waits[*chain.last().expect("one")] {
+            if chain.contains(&next) {
+                cycle = true;
+                break;
+            }
+            chain.push(next);
+        }
+        let path = chain
+            .iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(" -> ");
+        let (culprit, why) = if cycle {
+            (
+                waits[first].expect("a reporter"),
+                format!(
+                    "{STALL_VERDICT}: ranks {path} wait on each other (do their sends and \
+                     receives match?)"
+                ),
+            )
+        } else {
+            let c = *chain.last().expect("one");
+            (
+                c,
+                format!(
+                    "{STALL_VERDICT}: ranks waited on it for the timeout (waits: {path}) while it \
+                     waits on nobody: stopped (SIGSTOP, a debugger), hung, or busy outside \
+                     rdmacomm"
+                ),
+            )
+        };
+        self.record_failure(culprit, why.clone());
+        self.abort(culprit, &why);
     }
 }
 

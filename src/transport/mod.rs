@@ -4,8 +4,10 @@
 
 pub mod bootstrap;
 pub mod mailbox;
+pub mod op;
 pub mod pacer;
 pub mod rdma;
+pub mod rendezvous;
 pub mod tcp;
 pub mod watch;
 
@@ -54,18 +56,27 @@ pub trait Link {
     /// Polls for completions; when nothing happened, backs off briefly. Fails when nothing has
     /// happened for the timeout, naming `waiting_on`.
     fn progress(&mut self, waiting_on: usize) -> Result<()>;
-    /// Marks the start of an operation (resets the no-progress clock).
+    /// Marks the start of an operation's step (resets the no-progress clock).
     fn begin(&mut self);
+    /// Starts operation `op` with the peers of `scope`. Its descriptor, numbered in each
+    /// direction between two ranks ([`op::OpDesc::seq`]), rides on the first chunk posted to each
+    /// peer, and the first chunk taken from each peer must carry an equal one (else the take
+    /// fails with [`crate::Error::Mismatch`], naming both calls, before it lands a byte).
+    fn start(&mut self, op: &op::OpDesc, scope: op::Scope);
     /// Offers `buf`, which the operation's posts may come from, as the source of zero-copy sends
     /// until [`Link::release`]; a transport may register it or ignore it. While lent, a range
     /// that was posted must not be written before [`Link::settle`] on it returns.
     fn lend(&mut self, _buf: &[u8]) {}
     /// Registers `buf` for zero-copy sends across operations, until [`Link::unregister`] with
     /// the returned id (`None` where the transport has nothing to register: TCP). Posts from
-    /// inside it then send straight from it, so until then it must stay allocated and in
-    /// place, or later sends from its addresses carry the old pages' bytes (a registration
-    /// pins them: stale, never freed memory). [`crate::Communicator::with_registered`] scopes this.
-    fn register(&mut self, _buf: &[u8]) -> Result<Option<u64>> {
+    /// inside it then send straight from it. [`crate::Communicator::with_registered`] scopes
+    /// this safely.
+    ///
+    /// # Safety
+    /// `buf` must stay allocated and in place until [`Link::unregister`] with the returned id,
+    /// or later sends from its addresses read memory that belongs to something else. (It may be
+    /// written between operations: every send from it completes before its operation returns.)
+    unsafe fn register(&mut self, _buf: &[u8]) -> Result<Option<u64>> {
         Ok(None)
     }
     /// Ends a registration made by [`Link::register`] (between operations).
@@ -103,6 +114,9 @@ pub trait Transport: Link + Send {
     fn describe(&self) -> String;
     /// This rank's index among the ranks on its host, and their number.
     fn local_rank(&self) -> (usize, usize);
+    /// Records that this rank failed (`reason`) and tells every peer, whose operations then
+    /// fail naming this rank.
+    fn abort(&mut self, reason: String);
 }
 
 impl Transport for rdma::RdmaTransport {
@@ -115,6 +129,9 @@ impl Transport for rdma::RdmaTransport {
     fn local_rank(&self) -> (usize, usize) {
         self.watch().local_rank()
     }
+    fn abort(&mut self, reason: String) {
+        rdma::RdmaTransport::abort(self, reason)
+    }
 }
 
 impl Transport for tcp::TcpTransport {
@@ -126,6 +143,9 @@ impl Transport for tcp::TcpTransport {
     }
     fn local_rank(&self) -> (usize, usize) {
         self.watch().local_rank()
+    }
+    fn abort(&mut self, reason: String) {
+        tcp::TcpTransport::abort(self, reason)
     }
 }
 
@@ -179,14 +199,14 @@ pub fn resolves_to_rdma(kind: Kind) -> bool {
 
 /// Connects the transport `kind` names for `cfg` (every rank must resolve to the same one).
 pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
-    connect_with(cfg, kind, &mut |card| bootstrap::rendezvous(cfg, card))
+    connect_with(cfg, kind, &mut |card| rendezvous::rendezvous(cfg, card))
 }
 
 /// [`connect`], meeting the other ranks through `meet`.
 pub fn connect_with(
     cfg: &crate::Config,
     kind: Kind,
-    meet: &mut dyn FnMut(&[u8]) -> Result<bootstrap::Rendezvous>,
+    meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
     Ok(if resolves_to_rdma(kind) {
         Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)

@@ -35,17 +35,19 @@
 //!   against WRITE_WITH_IMM): 8 B on lo-rxe 38.5 -> 34.2, 37.9 -> 31.5, 31.7 -> 30.2 us in
 //!   three boots (8-32 B 2-17% faster), on veth 4-9% faster (one boot).
 
-use crate::config::Config;
+use crate::config::{Config, Poll};
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_RDMA};
+use crate::transport::bootstrap::{check_tags, Reader, TAG_RDMA};
 use crate::transport::mailbox::{self, ENTRY};
+use crate::transport::op::{self, OpDesc, OpKind, Scope};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
+use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::watch::Watch;
 use crate::transport::{copy_chunk, Link};
 use crate::verbs::queue::MAX_INLINE;
 use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, LentRegion, RcQueuePair,
-    RegisteredBuffer, RetryPolicy,
+    RegisteredBuffer, RetryPolicy, Sge,
 };
 use sideway::ibverbs::device_context::{DeviceContext, PortState};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
@@ -62,11 +64,6 @@ const KIND_DATA: u64 = 0;
 const KIND_CREDIT: u64 = 1;
 const KIND_RECV: u64 = 2;
 const KIND_PROBE: u64 = 3;
-/// Default `RDMACOMM_ZERO_COPY_MIN` (smallest lent buffer registered for zero-copy sends): off.
-/// Measured on lo-rxe, 2 ranks, 1-32 MiB all_reduce, two alternating rounds: zero copy from 1 MiB
-/// ties with staging (busbw within 2-8% either way; rxe copies every packet anyway), and on an
-/// HCA registering per call costs about what the copy it saves does. Opt in where it wins.
-const ZERO_COPY_MIN: usize = 0;
 /// Most unsignaled writes in a row (each signaled completion costs the device a completion
 /// entry and the poller a read).
 pub const QUIET_MAX: u32 = 8;
@@ -115,6 +112,16 @@ struct PeerState {
     lens: Vec<u32>,
     /// When the outstanding health probe (a zero-byte RDMA write) was posted.
     probe: Option<Instant>,
+    /// The next chunk posted to this peer is the operation's first to it: it carries the
+    /// operation's descriptor.
+    head_out: bool,
+    /// The next chunk taken from this peer is its first of the operation: it must carry a
+    /// descriptor equal to ours.
+    head_in: bool,
+    /// The numbers of the latest operation that sent to this peer, and that received from it
+    /// (see [`OpDesc::seq`]).
+    seq_out: u64,
+    seq_in: u64,
 }
 
 impl PeerState {
@@ -131,8 +138,12 @@ impl PeerState {
     }
 }
 
+/// Bytes before each slot's data, where the operation header of an operation's first chunk
+/// lands (just ahead of the data, which stays 64-byte aligned).
+const PRE: usize = 64;
+
 /// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then
-/// credits, then mailboxes.
+/// credits, then mailboxes. A slot is [`PRE`] bytes, then `slot` bytes of data.
 #[derive(Debug, Clone, Copy)]
 struct Layout {
     n: usize,
@@ -142,13 +153,15 @@ struct Layout {
 
 impl Layout {
     fn region(&self) -> usize {
-        self.slots * self.slot
+        self.slots * (PRE + self.slot)
     }
+    /// Where chunk `k` from `p` lands: the data's offset.
     fn recv_off(&self, p: usize, k: u64) -> usize {
-        p * self.region() + (k as usize % self.slots) * self.slot
+        p * self.region() + (k as usize % self.slots) * (PRE + self.slot) + PRE
     }
+    /// Where chunk `k` to `p` is staged: the data's offset.
     fn send_off(&self, p: usize, k: u64) -> usize {
-        (self.n + p) * self.region() + (k as usize % self.slots) * self.slot
+        (self.n + p) * self.region() + (k as usize % self.slots) * (PRE + self.slot) + PRE
     }
     fn credit_off(&self, p: usize) -> usize {
         2 * self.n * self.region() + p * 64
@@ -189,6 +202,8 @@ pub struct RdmaTransport {
     pacer: Pacer,
     device: String,
     port: u8,
+    /// The operation under way.
+    op: OpDesc,
 }
 
 impl RdmaTransport {
@@ -197,7 +212,7 @@ impl RdmaTransport {
     /// communicator for `split`), and connects. Every rank of `cfg.world_size` must call this.
     pub fn connect_with(
         cfg: &Config,
-        meet: &mut dyn FnMut(&[u8]) -> Result<Rendezvous>,
+        meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
@@ -224,21 +239,27 @@ impl RdmaTransport {
                 Some(RcQueuePair::new(&pd, &cq, &sel, send_depth, s)?)
             });
         }
-        // Our card: geometry, buffer address and key, and one endpoint per rank.
-        let mut card = Vec::new();
-        card.extend_from_slice(&TAG_RDMA.to_le_bytes());
-        card.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
-        card.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
-        card.extend_from_slice(&buf.addr().to_le_bytes());
-        card.extend_from_slice(&buf.rkey().to_le_bytes());
+        // Our card: geometry, buffer address and key for every rank; one endpoint per rank.
+        let mut common = Vec::new();
+        common.extend_from_slice(&TAG_RDMA.to_le_bytes());
+        common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
+        common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
+        common.extend_from_slice(&buf.addr().to_le_bytes());
+        common.extend_from_slice(&buf.rkey().to_le_bytes());
+        let mut each = Vec::with_capacity(n * Endpoint::BYTES);
         for qp in &qps {
             let e = qp.as_ref().map(|q| q.endpoint()).unwrap_or_default();
-            card.extend_from_slice(&e.to_bytes());
+            each.extend_from_slice(&e.to_bytes());
         }
+        let card = Card {
+            common,
+            entry: Endpoint::BYTES,
+            each,
+        };
         let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_RDMA)?;
         let mut side = rv.side;
-        let policy = RetryPolicy::for_limit(cfg.timeout);
+        let policy = RetryPolicy::for_limit(cfg.timeout, cfg.ib_timeout, cfg.ib_retry);
         let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
         for (p, qp) in qps.into_iter().enumerate() {
             let Some(mut qp) = qp else {
@@ -259,13 +280,8 @@ impl RdmaTransport {
                 addr: r.u64()?,
                 rkey: r.u32()?,
             };
-            let mut mine = Endpoint::default();
-            for q in 0..n {
-                let e = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
-                if q == cfg.rank {
-                    mine = e;
-                }
-            }
+            // The endpoint of p's queue pair for us.
+            let mine = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
             for k in 0..cfg.slots as u64 {
                 qp.post_recv(wr_id(KIND_RECV, p, k))?;
             }
@@ -291,6 +307,10 @@ impl RdmaTransport {
                 peer_consumed: 0,
                 lens: vec![EMPTY; cfg.slots],
                 probe: None,
+                head_out: false,
+                head_in: false,
+                seq_out: u64::MAX,
+                seq_in: u64::MAX,
             }));
         }
         // Nobody writes before every QP is ready to receive.
@@ -300,22 +320,15 @@ impl RdmaTransport {
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
         // than cores), yield up to 2 ms, then nap 50 us at a time: no core burnt on a long
         // wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
-        let pacer = match std::env::var("RDMACOMM_POLL").as_deref() {
-            Ok("spin") => Pacer::new(cfg.timeout, Duration::MAX, Duration::MAX),
-            Ok("yield") => Pacer::new(cfg.timeout, Duration::ZERO, YIELD),
-            _ if oversubscribed(&rv.addrs, cfg.rank) => {
+        let pacer = match cfg.poll {
+            Poll::Spin => Pacer::new(cfg.timeout, Duration::MAX, Duration::MAX),
+            Poll::Yield => Pacer::new(cfg.timeout, Duration::ZERO, YIELD),
+            Poll::Auto if oversubscribed(&rv.addrs, cfg.rank) => {
                 Pacer::new(cfg.timeout, Duration::ZERO, YIELD)
             }
-            _ => Pacer::new(cfg.timeout, SPIN, YIELD),
+            Poll::Auto => Pacer::new(cfg.timeout, SPIN, YIELD),
         };
-        let zc_min = match std::env::var("RDMACOMM_ZERO_COPY_MIN") {
-            Ok(v) => v.trim().parse().map_err(|_| {
-                Error::Config(format!(
-                    "RDMACOMM_ZERO_COPY_MIN={v:?}: a byte count (0 turns zero-copy sends off)"
-                ))
-            })?,
-            Err(_) => ZERO_COPY_MIN,
-        };
+        let zc_min = cfg.zero_copy_min;
         Ok(RdmaTransport {
             peers,
             lent: None,
@@ -335,6 +348,7 @@ impl RdmaTransport {
             pacer,
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
             port: sel.port,
+            op: OpDesc::new(OpKind::Barrier, 0),
         })
     }
 
@@ -362,6 +376,11 @@ impl RdmaTransport {
     /// Records the first failure, tells the group, and returns it as an error.
     fn fail(&mut self, p: usize, reason: String) -> Error {
         self.watch.fail(p, reason)
+    }
+
+    /// This rank failed: tell every peer.
+    pub fn abort(&mut self, reason: String) {
+        self.watch.abort_self(reason);
     }
 
     /// Failures learned from the side channel (a peer's abort, a closed connection).
@@ -506,19 +525,21 @@ impl RdmaTransport {
         remote_off: usize,
         imm: Option<u32>,
     ) -> Result<()> {
-        let (lkey, local) = (self.buf.lkey(), self.buf.addr() + off as u64);
-        self.post_from(p, kind, (lkey, local), len, remote_off, imm, false)
+        let sge = Sge {
+            lkey: self.buf.lkey(),
+            addr: self.buf.addr() + off as u64,
+            len: len as u32,
+        };
+        self.post_from(p, kind, &[sge], remote_off, imm, false)
     }
 
-    /// [`RdmaTransport::post`] from `local` = (lkey, address): our buffer or the lent one. A
-    /// `quiet` data write (inline from the staging slot) may go unsignaled.
-    #[allow(clippy::too_many_arguments)]
+    /// [`RdmaTransport::post`] from the ranges `local`: our buffer, then possibly the lent one.
+    /// A `quiet` data write (inline from the staging slot) may go unsignaled.
     fn post_from(
         &mut self,
         p: usize,
         kind: u64,
-        (lkey, local): (u32, u64),
-        len: usize,
+        local: &[Sge],
         remote_off: usize,
         imm: Option<u32>,
         quiet: bool,
@@ -536,16 +557,8 @@ impl RdmaTransport {
         // data slot is not reused before this write completes (send_done); credit words are sent
         // inline (copied at post time).
         let r = unsafe {
-            st.qp.post_write(
-                id,
-                lkey,
-                local,
-                len as u32,
-                st.remote.rkey,
-                remote_addr,
-                imm,
-                signaled,
-            )
+            st.qp
+                .post_write(id, local, st.remote.rkey, remote_addr, imm, signaled)
         };
         if let Err(e) = r {
             return Err(self.fail(p, e.to_string()));
@@ -663,12 +676,24 @@ impl Link for RdmaTransport {
         let slots = self.layout.slots as u64;
         let word = self.credits_from(p);
         let st = self.state(p);
+        if word > st.sent {
+            // A peer cannot have consumed what was never sent: it is misbehaving.
+            let e = format!(
+                "protocol error: its credit word says {word} chunks consumed of {} sent",
+                st.sent
+            );
+            return Err(self.fail(p, e));
+        }
         let mut credits = word.max(st.peer_consumed);
         let (k, consumed) = (st.sent, st.consumed);
         if k >= credits + slots {
             // Credits ride on chunks that arrived but are not taken yet: on receive
             // completions (seen when polled) and in mailbox trailers (seen only here).
             credits = credits.max(self.mailbox_credits(p));
+            if credits > self.state(p).sent {
+                let e = format!("protocol error: a mailbox chunk claims {credits} chunks consumed");
+                return Err(self.fail(p, e));
+            }
             self.state(p).peer_consumed = credits;
         }
         let st = self.state(p);
@@ -676,6 +701,14 @@ impl Link for RdmaTransport {
         if k >= credits + slots || k >= st.send_done + slots || !sq_room {
             return Ok(false);
         }
+        // The operation's first chunk to p carries its descriptor just ahead of the data.
+        let st = self.state(p);
+        let head = if st.head_out { op::WIRE } else { 0 };
+        let desc = OpDesc {
+            seq: st.seq_out,
+            ..self.op
+        }
+        .encode();
         // A lent or registered buffer sends straight from memory, but a chunk small enough to
         // go inline is copied at post time (by mailbox up to 48 bytes) and needs no settling.
         let region = if data.len() > MAX_INLINE as usize {
@@ -686,18 +719,52 @@ impl Link for RdmaTransport {
         } else {
             None
         };
-        let to_mailbox = region.is_none() && data.len() <= mailbox::MAX_PAYLOAD;
-        let mut len = data.len();
-        let (local, zero_copy) = match region {
-            Some(r) => ((r.lkey(), data.as_ptr() as u64), true),
+        let to_mailbox = region.is_none() && head + data.len() <= mailbox::MAX_PAYLOAD;
+        let off = self.layout.send_off(p, k);
+        let staged_head = Sge {
+            lkey: self.buf.lkey(),
+            addr: self.buf.addr() + (off - head) as u64,
+            len: head as u32,
+        };
+        if head > 0 {
+            self.buf.slice_mut(off - head, head).copy_from_slice(&desc);
+        }
+        let mut len = head + data.len();
+        let (sges, zero_copy) = match region {
+            // The descriptor from the staging slot, then the data from the caller's memory.
+            Some(r) => {
+                let from = Sge {
+                    lkey: r.lkey(),
+                    addr: data.as_ptr() as u64,
+                    len: data.len() as u32,
+                };
+                ([staged_head, from], true)
+            }
             None => {
-                let off = self.layout.send_off(p, k);
+                let none = Sge {
+                    len: 0,
+                    ..staged_head
+                };
                 if to_mailbox {
-                    len = mailbox::encode(k, consumed, data, self.buf.slice_mut(off, ENTRY));
+                    let mut payload = [0u8; mailbox::MAX_PAYLOAD];
+                    payload[..head].copy_from_slice(&desc[..head]);
+                    payload[head..len].copy_from_slice(data);
+                    let out = self.buf.slice_mut(off, ENTRY);
+                    len = mailbox::encode(k, consumed, &payload[..len], out);
+                    let at = Sge {
+                        lkey: self.buf.lkey(),
+                        addr: self.buf.addr() + off as u64,
+                        len: len as u32,
+                    };
+                    ([at, none], false)
                 } else {
-                    crate::copy::copy(self.buf.slice_mut(off, len), data);
+                    crate::copy::copy(self.buf.slice_mut(off, data.len()), data);
+                    let whole = Sge {
+                        len: len as u32,
+                        ..staged_head
+                    };
+                    ([whole, none], false)
                 }
-                ((self.buf.lkey(), self.buf.addr() + off as u64), false)
             }
         };
         let (remote_off, imm) = if to_mailbox {
@@ -705,12 +772,12 @@ impl Link for RdmaTransport {
             (entry + mailbox::write_offset(len), None)
         } else {
             let imm = (k & 0xffff) as u32 | ((consumed & 0xffff) as u32) << 16;
-            (self.layout.recv_off(self.rank, k), Some(imm))
+            (self.layout.recv_off(self.rank, k) - head, Some(imm))
         };
         let quiet = !zero_copy && len <= MAX_INLINE as usize;
         let wr = self.state(p).wr_posted;
         self.state(p).chunk_wr[(k % slots) as usize] = if quiet { FREE_AT_POST } else { wr };
-        self.post_from(p, KIND_DATA, local, len, remote_off, imm, quiet)?;
+        self.post_from(p, KIND_DATA, &sges, remote_off, imm, quiet)?;
         if zero_copy {
             if self.zc.len() == self.zc.capacity() {
                 self.retire_zero_copy(); // at most slots per peer remain: no reallocation
@@ -719,6 +786,7 @@ impl Link for RdmaTransport {
             self.zc.push_back((p, k, a, a + data.len()));
         }
         let st = self.state(p);
+        st.head_out = false;
         st.returned = consumed;
         st.sent += 1;
         st.retire_sends(slots);
@@ -735,24 +803,53 @@ impl Link for RdmaTransport {
         let st = self.state(p);
         let k = st.consumed;
         let slot = (k % slots) as usize;
-        if st.lens[slot] != EMPTY {
-            let len = st.lens[slot] as usize;
-            let off = self.layout.recv_off(p, k);
-            f(self.buf.slice(off, len))?;
-            self.state(p).lens[slot] = EMPTY;
+        let head = if st.head_in { op::WIRE } else { 0 };
+        let (by_imm, seq) = (st.lens[slot], st.seq_in);
+        // The chunk's bytes as written (the descriptor first, if any): where, how many, and
+        // the credits a mailbox trailer carries.
+        let (off, len, mailbox_consumed) = if by_imm != EMPTY {
+            (self.layout.recv_off(p, k) - head, by_imm as usize, None)
         } else {
-            let Some((len, off)) = self.landed(p, k) else {
+            let Some((len, entry)) = self.landed(p, k) else {
                 return Ok(false);
             };
-            if len > mailbox::MAX_PAYLOAD {
-                let e = format!("protocol error: mailbox chunk {k} claims {len} bytes");
+            let consumed = (len <= mailbox::MAX_PAYLOAD)
+                .then(|| mailbox::consumed(self.buf.slice(entry, ENTRY)));
+            (
+                entry + mailbox::payload(len.min(mailbox::MAX_PAYLOAD)).start,
+                len,
+                consumed,
+            )
+        };
+        let limit = if by_imm != EMPTY {
+            self.layout.slot + head
+        } else {
+            mailbox::MAX_PAYLOAD
+        };
+        // Nothing a peer writes is trusted: a length past what it may write, or short of the
+        // descriptor it owes, fails that peer.
+        if len > limit || len < head {
+            let e = format!(
+                "protocol error: chunk {k} has {len} bytes (at least {head}, at most {limit} allowed)"
+            );
+            return Err(self.fail(p, e));
+        }
+        if head > 0 {
+            let mine = OpDesc { seq, ..self.op };
+            if let Err(why) = mine.check(self.buf.slice(off, head), p, self.rank) {
+                return Err(self.watch.mismatch(p, why));
+            }
+        }
+        f(self.buf.slice(off + head, len - head))?;
+        let st = self.state(p);
+        st.head_in = false;
+        st.lens[slot] = EMPTY;
+        if let Some(c) = mailbox_consumed {
+            if c > st.sent {
+                let e = format!("protocol error: a mailbox chunk claims {c} chunks consumed");
                 return Err(self.fail(p, e));
             }
-            let entry = self.buf.slice(off, ENTRY);
-            let peer_consumed = mailbox::consumed(entry);
-            f(&entry[mailbox::payload(len)])?;
-            let st = self.state(p);
-            st.peer_consumed = st.peer_consumed.max(peer_consumed);
+            st.peer_consumed = st.peer_consumed.max(c);
         }
         let st = self.state(p);
         st.consumed += 1;
@@ -793,7 +890,7 @@ impl Link for RdmaTransport {
         self.lent = self.register_source(buf).ok();
     }
 
-    fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
+    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
         if buf.is_empty() {
             return Ok(None); // nothing to send from (and verbs refuse an empty region)
         }
@@ -847,6 +944,7 @@ impl Link for RdmaTransport {
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        self.watch.waiting_on(Some(waiting_on));
         self.watch.poll_sometimes()?;
         if self.poll()? {
             self.made_progress();
@@ -859,21 +957,29 @@ impl Link for RdmaTransport {
                 self.watch.poll()?;
                 std::thread::sleep(Duration::from_micros(50));
             }
-            Wait::Expired => {
-                let why = format!("no progress for {:?} waiting on it", self.timeout);
-                let _ = self.fail(waiting_on, why);
-                return Err(Error::Timeout {
-                    peer: self.peer(waiting_on),
-                    what: "RDMA transfer made no progress".into(),
-                    after: self.timeout,
-                });
-            }
+            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
         }
         Ok(())
     }
 
     fn begin(&mut self) {
         self.pacer.begin();
+    }
+
+    fn start(&mut self, op: &OpDesc, scope: Scope) {
+        self.op = *op;
+        self.watch.waiting_on(None);
+        for (p, st) in self.peers.iter_mut().enumerate() {
+            let Some(st) = st.as_mut() else { continue };
+            if scope.counts(p, true) {
+                st.seq_out = st.seq_out.wrapping_add(1);
+                st.head_out = true;
+            }
+            if scope.counts(p, false) {
+                st.seq_in = st.seq_in.wrapping_add(1);
+                st.head_in = true;
+            }
+        }
     }
 }
 

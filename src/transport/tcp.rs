@@ -3,16 +3,19 @@
 //! transport's slots) and TCP's own window. Failures and health use the same side channel as
 //! RDMA.
 //!
-//! Framing: a chunk travels as a [`HDR`]-byte header (its length, little-endian u32, then
-//! zeros), the payload, and zeros up to a multiple of 64 bytes. Every frame is a multiple of 64
+//! Framing: a chunk travels as a `HDR`-byte header (its length, little-endian u32, then
+//! zeros, with the operation's descriptor at `OP_AT`: every frame is checked against the
+//! receiver's operation), the payload, and zeros up to a multiple of 64 bytes. Every frame is a multiple of 64
 //! bytes, so a payload starts 64-byte aligned in the sender's socket pages as well as in the
 //! stream, and the kernel's copies into and out of those pages run at full speed (a 4-byte
-//! header left them misaligned: 15-25% slower from 512 KiB, see [`HDR`]).
+//! header left them misaligned: 15-25% slower from 512 KiB, see `HDR`).
 
-use crate::config::Config;
+use crate::config::{Config, Poll};
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, Reader, Rendezvous, TAG_TCP};
+use crate::transport::bootstrap::{check_tags, Reader, TAG_TCP};
+use crate::transport::op::{self, OpDesc, OpKind, Scope};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
+use crate::transport::rendezvous::{mac, Card, Rendezvous, KEY};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
@@ -61,6 +64,9 @@ impl OutQueue {
 /// 440, 4 MiB 747 vs 1024 (a 4-byte header with 65408-byte chunks: as slow as the 4-byte one);
 /// the alignment of the user's buffer made no difference.
 const HDR: usize = 64;
+
+/// Where the operation's descriptor ([`op::WIRE`] bytes) sits in a frame's header.
+const OP_AT: usize = 8;
 
 /// Zeros that pad a frame to a multiple of 64 bytes.
 const PAD: [u8; 64] = [0; 64];
@@ -157,6 +163,13 @@ struct Conn {
     inp: InQueue,
     direct: Direct,
     closed: bool,
+    /// The numbers of the latest operation that sent to this peer, and that received from it
+    /// (see [`OpDesc::seq`]).
+    seq_out: u64,
+    seq_in: u64,
+    /// A frame of the current operation from this peer passed [`TcpTransport::check_op`]: its
+    /// later frames may be read straight into place with their header (before the check).
+    verified: bool,
 }
 
 /// The TCP transport of one rank.
@@ -173,6 +186,32 @@ pub struct TcpTransport {
     pacer: Pacer,
     /// poll(2)'s array, kept between calls.
     fds: Vec<libc::pollfd>,
+    /// The operation under way, and its descriptor's bytes as every frame carries them.
+    op: OpDesc,
+    op_wire: [u8; op::WIRE],
+}
+
+/// Writes sequence number `seq` into encoded descriptor bytes.
+fn with_seq(mut wire: [u8; op::WIRE], seq: u64) -> [u8; op::WIRE] {
+    let enc = OpDesc {
+        seq,
+        ..OpDesc::new(OpKind::Barrier, 0)
+    }
+    .encode();
+    wire[8..10].copy_from_slice(&enc[8..10]);
+    wire
+}
+
+/// What rank `from` sends rank `to` to show it holds the group's session key.
+fn proof(session: &[u8; KEY], from: usize, to: usize) -> [u8; KEY] {
+    mac(
+        session,
+        &[
+            b"rdmacomm tcp",
+            &(from as u32).to_le_bytes(),
+            &(to as u32).to_le_bytes(),
+        ],
+    )
 }
 
 fn tune(s: &TcpStream) -> Result<()> {
@@ -189,7 +228,7 @@ impl TcpTransport {
     /// to every rank i < j). Every rank of `cfg.world_size` must call this.
     pub fn connect_with(
         cfg: &Config,
-        meet: &mut dyn FnMut(&[u8]) -> Result<Rendezvous>,
+        meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
@@ -219,7 +258,9 @@ impl TcpTransport {
                 if sa.ip().is_loopback() {
                     sa.ip()
                 } else {
-                    std::net::UdpSocket::bind("0.0.0.0:0")
+                    // The coordinator's address family: an IPv6 coordinator, an IPv6 data path.
+                    let any = if sa.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+                    std::net::UdpSocket::bind(any)
                         .and_then(|u| u.connect(sa).and_then(|_| u.local_addr()))
                         .map(|a| a.ip())
                         .unwrap_or(sa.ip())
@@ -230,12 +271,17 @@ impl TcpTransport {
             Error::Bootstrap(format!("rank {} cannot listen on {ip}: {e}", cfg.rank))
         })?;
         let me = listener.local_addr()?;
-        let mut card = Vec::new();
         let text = me.to_string();
-        card.extend_from_slice(&TAG_TCP.to_le_bytes());
-        card.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
-        card.extend_from_slice(&(text.len() as u32).to_le_bytes());
-        card.extend_from_slice(text.as_bytes());
+        let mut common = Vec::new();
+        common.extend_from_slice(&TAG_TCP.to_le_bytes());
+        common.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
+        common.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        common.extend_from_slice(text.as_bytes());
+        let card = Card {
+            common,
+            entry: 0,
+            each: Vec::new(),
+        };
         let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_TCP)?;
         let mut side = rv.side;
@@ -275,42 +321,77 @@ impl TcpTransport {
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             };
-            s.write_all(&(cfg.rank as u32).to_le_bytes())?;
+            // Our rank, and the proof that we were at the rendezvous.
+            let mut hello = (cfg.rank as u32).to_le_bytes().to_vec();
+            hello.extend_from_slice(&proof(&rv.session, cfg.rank, p));
+            s.write_all(&hello)?;
             tune(&s)?;
             socks[p] = Some(s);
         }
-        // Accept from higher ranks.
+        // Accept from higher ranks: a connection counts once it names a rank that has yet to
+        // connect and proves the session key; any other is dropped, without holding up the rest.
         listener.set_nonblocking(true)?;
+        let mut pending: Vec<(TcpStream, Vec<u8>, Instant)> = Vec::new();
         let mut waiting = n - 1 - cfg.rank;
+        let want = 4 + KEY;
         while waiting > 0 {
+            let mut busy = false;
             match listener.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false)?;
-                    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-                    let mut b = [0u8; 4];
-                    if s.read_exact(&mut b).is_err() {
-                        continue;
-                    }
-                    let p = u32::from_le_bytes(b) as usize;
-                    if p <= cfg.rank || p >= n || socks[p].is_some() {
-                        continue;
-                    }
-                    tune(&s)?;
-                    socks[p] = Some(s);
-                    waiting -= 1;
+                Ok((s, _)) if pending.len() < 1024 => {
+                    busy = true;
+                    s.set_nonblocking(true)?;
+                    pending.push((s, Vec::new(), Instant::now() + Duration::from_secs(5)));
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing = (cfg.rank + 1..n).find(|&p| socks[p].is_none()).unwrap_or(0);
-                        return Err(Error::Timeout {
-                            peer: peer(missing),
-                            what: "data connection".into(),
-                            after: cfg.timeout,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.into()),
+            }
+            let mut i = 0;
+            while i < pending.len() {
+                let (s, buf, until) = &mut pending[i];
+                let mut b = [0u8; 64];
+                let mut drop_it = Instant::now() >= *until;
+                match s.read(&mut b[..want - buf.len()]) {
+                    Ok(0) => drop_it = true,
+                    Ok(k) => {
+                        busy = true;
+                        buf.extend_from_slice(&b[..k]);
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                    Err(_) => drop_it = true,
+                }
+                if buf.len() == want {
+                    let (s, buf, _) = pending.swap_remove(i);
+                    let p = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+                    if p > cfg.rank
+                        && p < n
+                        && socks[p].is_none()
+                        && buf[4..] == proof(&rv.session, p, cfg.rank)
+                    {
+                        s.set_nonblocking(false)?;
+                        tune(&s)?;
+                        socks[p] = Some(s);
+                        waiting -= 1;
+                    }
+                    continue;
+                }
+                if drop_it {
+                    pending.swap_remove(i);
+                    continue;
+                }
+                i += 1;
+            }
+            if waiting > 0 && !busy {
+                if Instant::now() >= deadline {
+                    let missing = (cfg.rank + 1..n).find(|&p| socks[p].is_none()).unwrap_or(0);
+                    return Err(Error::Timeout {
+                        peer: peer(missing),
+                        what: "data connection".into(),
+                        after: cfg.timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
             }
         }
         side.barrier()?;
@@ -319,11 +400,11 @@ impl TcpTransport {
         // chunks keep it in the cache (see `Config::tcp_chunk`).
         let chunk = cfg.tcp_chunk;
         // Spin while waiting only as long as it cannot take a core another local rank needs.
-        let spin_for = match std::env::var("RDMACOMM_POLL").as_deref() {
-            Ok("spin") => Duration::MAX,
-            Ok("yield") => Duration::ZERO,
-            _ if oversubscribed(&rv.addrs, cfg.rank) => Duration::ZERO,
-            _ => Duration::from_micros(50),
+        let spin_for = match cfg.poll {
+            Poll::Spin => Duration::MAX,
+            Poll::Yield => Duration::ZERO,
+            Poll::Auto if oversubscribed(&rv.addrs, cfg.rank) => Duration::ZERO,
+            Poll::Auto => Duration::from_micros(50),
         };
         let mut conns = Vec::with_capacity(n);
         for s in socks {
@@ -337,6 +418,9 @@ impl TcpTransport {
                         inp: InQueue::new(4 * (chunk + HDR)),
                         direct: Direct::Off,
                         closed: false,
+                        seq_out: u64::MAX,
+                        seq_in: u64::MAX,
+                        verified: false,
                     })
                 }
                 None => None,
@@ -351,6 +435,8 @@ impl TcpTransport {
             pacer: Pacer::new(cfg.timeout, spin_for, YIELD_FOR.max(spin_for)),
             timeout: cfg.timeout,
             fds: Vec::with_capacity(n),
+            op: OpDesc::new(OpKind::Barrier, 0),
+            op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
         })
     }
 
@@ -367,6 +453,32 @@ impl TcpTransport {
     /// Failures learned from the side channel (a peer's abort, a closed connection).
     fn check_side(&mut self) -> Result<()> {
         self.watch.poll()
+    }
+
+    /// Checks the operation descriptor in the header of the next frame from `p` (buffered)
+    /// against this rank's operation: a mismatch fails the link, naming both calls.
+    fn check_op(&mut self, p: usize) -> Result<()> {
+        let c = self.conns[p].as_ref().expect("present");
+        let hdr = &c.inp.pending()[OP_AT..OP_AT + op::WIRE];
+        let mine = OpDesc {
+            seq: c.seq_in,
+            ..self.op
+        };
+        match mine.check(hdr, p, self.rank) {
+            Ok(()) => {
+                self.conns[p].as_mut().expect("present").verified = true;
+                Ok(())
+            }
+            Err(why) => {
+                self.conns[p].as_mut().expect("present").direct = Direct::Off;
+                Err(self.watch.mismatch(p, why))
+            }
+        }
+    }
+
+    /// This rank failed: tell every peer.
+    pub fn abort(&mut self, reason: String) {
+        self.watch.abort_self(reason);
     }
 
     /// Moves bytes: writes what is queued, reads what has arrived. Returns whether any moved.
@@ -532,6 +644,7 @@ impl Link for TcpTransport {
         self.pacer.progress();
         let mut header = [0u8; HDR];
         header[..4].copy_from_slice(&(data.len() as u32).to_le_bytes());
+        header[OP_AT..OP_AT + op::WIRE].copy_from_slice(&with_seq(self.op_wire, c.seq_out));
         let parts = [&header[..], data, &PAD[..pad(data.len())]];
         let mut done = 0;
         // Write straight from the caller's buffer; only what the socket does not take now is
@@ -565,6 +678,7 @@ impl Link for TcpTransport {
             Ok(None) => return Ok(false),
             Err(why) => return Err(self.fail(p, why)),
         };
+        self.check_op(p)?;
         let c = self.conns[p].as_mut().expect("present");
         let avail = c.inp.pending();
         let frame = HDR + len + pad(len);
@@ -594,7 +708,10 @@ impl Link for TcpTransport {
             let have = c.inp.pending().len();
             if have < HDR && !c.closed {
                 let room = c.inp.room(HDR + max);
-                let vectored = have == 0 && dst.len() > DIRECT_PEEK && room.len() >= HDR;
+                // Only once this operation's descriptor from p was checked: no byte of a
+                // mismatched operation may land in the caller's buffer.
+                let vectored =
+                    have == 0 && c.verified && dst.len() > DIRECT_PEEK && room.len() >= HDR;
                 let got = if vectored {
                     let (head, _) = room.split_at_mut(HDR);
                     let mut iov = [
@@ -631,6 +748,7 @@ impl Link for TcpTransport {
                 }
                 Err(why) => return Err(self.fail(p, why)),
             };
+            self.check_op(p)?;
             let c = self.conns[p].as_mut().expect("present");
             let avail = c.inp.pending();
             if len != dst.len() {
@@ -695,6 +813,7 @@ impl Link for TcpTransport {
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        self.watch.waiting_on(Some(waiting_on));
         self.watch.poll_sometimes()?;
         if self.pump()? {
             self.pacer.progress();
@@ -718,17 +837,25 @@ impl Link for TcpTransport {
                 self.watch.poll()?;
                 self.wait(Duration::from_millis(1));
             }
-            Wait::Expired => {
-                let why = format!("no progress for {:?} waiting on it", self.timeout);
-                let _ = self.fail(waiting_on, why);
-                return Err(Error::Timeout {
-                    peer: self.peer(waiting_on),
-                    what: "TCP transfer made no progress".into(),
-                    after: self.timeout,
-                });
-            }
+            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
         }
         Ok(())
+    }
+
+    fn start(&mut self, op: &OpDesc, scope: Scope) {
+        self.op = *op;
+        self.watch.waiting_on(None);
+        self.op_wire = op.encode();
+        for (p, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c.as_mut() else { continue };
+            if scope.counts(p, true) {
+                c.seq_out = c.seq_out.wrapping_add(1);
+            }
+            if scope.counts(p, false) {
+                c.seq_in = c.seq_in.wrapping_add(1);
+                c.verified = false;
+            }
+        }
     }
 
     fn begin(&mut self) {

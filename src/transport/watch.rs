@@ -2,7 +2,7 @@
 //! channel, learn of others' from it, and decide whom to blame.
 
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::SideChannel;
+use crate::transport::bootstrap::{SideChannel, STALL_VERDICT, STALL_WINDOW};
 use std::time::{Duration, Instant};
 
 /// Progress calls between reads of the side channel while a transport spins or yields.
@@ -73,6 +73,85 @@ impl Watch {
             self.failed = Some((p, reason));
         }
         self.error().expect("just recorded")
+    }
+
+    /// This rank is waiting on `p` now (rank 0 counts it when it judges a stall).
+    #[inline]
+    pub fn waiting_on(&mut self, p: Option<usize>) {
+        self.side.waiting = p;
+    }
+
+    /// This rank's wait on `p` made no progress for `after`. A waiting neighbour is not to
+    /// blame, so the rank is reported to rank 0, which follows every stalled rank's wait to the
+    /// one that waits on nobody and tells everyone; that verdict is returned
+    /// ([`Error::Timeout`] naming that rank). Without a verdict in time, rank 0 itself is not
+    /// answering and is named.
+    pub fn stalled(&mut self, p: usize, after: Duration) -> Error {
+        if self.failed.is_none() {
+            self.side.report_stall(p);
+            let until = Instant::now() + STALL_WINDOW + Duration::from_millis(400);
+            loop {
+                self.side.poll();
+                if let Some(f) = self.side.failure() {
+                    self.failed = Some(f);
+                    break;
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if self.failed.is_none() {
+            let why = format!(
+                "{STALL_VERDICT}: rank {} waited {after:?} on rank {p}, and rank 0 did not answer \
+                 its report within {:?} (stopped, hung, or busy outside rdmacomm)",
+                self.rank,
+                STALL_WINDOW + Duration::from_millis(400)
+            );
+            let culprit = if self.rank == 0 { p } else { 0 };
+            self.side.abort(culprit, &why);
+            self.failed = Some((culprit, why));
+        }
+        match self.failed.clone() {
+            Some((r, why)) if why.starts_with(STALL_VERDICT) => Error::Timeout {
+                peer: self.peer(r),
+                what: why,
+                after,
+            },
+            _ => self.error().expect("recorded"),
+        }
+    }
+
+    /// A mismatch of calls found here (its cause is known: no wait for another verdict):
+    /// recorded, told to the group, and returned as [`Error::Mismatch`] naming `p`. A failure
+    /// recorded before wins.
+    pub fn mismatch(&mut self, p: usize, reason: String) -> Error {
+        if self.failed.is_none() {
+            self.failed = self.side.failure();
+        }
+        if self.failed.is_some() {
+            return self.error().expect("recorded");
+        }
+        let told = format!(
+            "{reason} (found by rank {} ({}))",
+            self.rank, self.addrs[self.rank]
+        );
+        self.side.abort(p, &told);
+        self.failed = Some((p, told));
+        Error::Mismatch {
+            peer: self.peer(p),
+            reason,
+        }
+    }
+
+    /// This rank failed (`reason`): recorded and told to the group at once.
+    pub fn abort_self(&mut self, reason: String) {
+        if self.failed.is_none() {
+            let told = format!("{reason} (rank {} ({}))", self.rank, self.addrs[self.rank]);
+            self.side.abort(self.rank, &told);
+            self.failed = Some((self.rank, told));
+        }
     }
 
     /// Reads the side channel now: a peer's abort or a closed connection becomes our failure.

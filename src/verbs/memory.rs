@@ -10,7 +10,7 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-/// A zeroed, page-aligned buffer registered for local and remote write.
+/// A zeroed, page-aligned buffer registered for local and remote write (never remote read).
 /// The MR is released before the memory (field order), and the owner of every QP that may
 /// point into it must drop those QPs first (see `transport::rdma`).
 pub struct RegisteredBuffer {
@@ -38,7 +38,8 @@ impl RegisteredBuffer {
             op: "allocate",
             detail: format!("out of memory allocating {len} bytes"),
         })?;
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        // Peers write into it (slots, credit words, mailboxes); nothing is ever read remotely.
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
         // SAFETY: ptr is valid for len bytes and outlives the MR (the MR is dropped first in Drop).
         let mr = match unsafe { pd.reg_mr(ptr.as_ptr() as usize, len, access) } {
             Ok(mr) => mr,
@@ -80,11 +81,10 @@ impl RegisteredBuffer {
         false
     }
 
-    /// A raw pointer to byte `off`; the caller keeps it within the buffer.
+    /// A raw pointer to byte `off` (at most the length; panics past it).
     pub fn ptr_at(&self, off: usize) -> *mut u8 {
-        debug_assert!(off <= self.len());
-        // SAFETY: off is within the allocation (checked in debug builds; callers compute it from
-        // slot geometry that fits the buffer).
+        assert!(off <= self.len(), "offset {off} past the registered buffer");
+        // SAFETY: off is within the allocation or one past its end (asserted).
         unsafe { self.ptr.as_ptr().add(off) }
     }
 
@@ -98,11 +98,11 @@ impl RegisteredBuffer {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
 
-    /// Bytes `off..off+len` as a mutable slice (same rule as [`RegisteredBuffer::slice`]).
-    #[allow(clippy::mut_from_ref)]
-    pub fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
+    /// Bytes `off..off+len` as a mutable slice (same rule as [`RegisteredBuffer::slice`] for the
+    /// device; `&mut self` keeps every other view of the buffer out while it lives).
+    pub fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
         assert!(off + len <= self.len(), "slice out of registered buffer");
-        // SAFETY: in bounds (asserted); the caller holds the only view of this region.
+        // SAFETY: in bounds (asserted); &mut self: no other reference into the buffer exists.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
     }
 }

@@ -10,4 +10,4 @@ pub mod queue;
 pub use device::{list_ports, open, DeviceChoice, PortInfo, Selected};
 pub use events::{AsyncEvent, AsyncEvents};
 pub use memory::{LentRegion, RegisteredBuffer};
-pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy};
+pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy, Sge};

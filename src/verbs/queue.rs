@@ -178,18 +178,14 @@ impl RetryPolicy {
 
     /// The policy for a communicator whose waits time out after `limit`: timeout exponent 18
     /// (~1.07 s per try) and 6 retries, so an unreachable peer is reported in ~7.5 s (NCCL uses
-    /// the same exponent), lowered until that fits in half of `limit`. `RDMACOMM_IB_TIMEOUT` and
-    /// `RDMACOMM_IB_RETRY` override. (Dead processes are noticed sooner, through the side
-    /// channel; a cut link at once, through local errors.)
-    pub fn for_limit(limit: std::time::Duration) -> Self {
-        let env = |k: &str| {
-            std::env::var(k)
-                .ok()
-                .and_then(|v| v.trim().parse::<u8>().ok())
-        };
-        let retry = env("RDMACOMM_IB_RETRY").unwrap_or(6).min(6);
+    /// the same exponent), lowered until that fits in half of `limit`. `timeout` and `retry`
+    /// (`RDMACOMM_IB_TIMEOUT`, `RDMACOMM_IB_RETRY`, validated by the config) override. (Dead
+    /// processes are noticed sooner, through the side channel; a cut link at once, through
+    /// local errors.)
+    pub fn for_limit(limit: std::time::Duration, timeout: Option<u8>, retry: Option<u8>) -> Self {
+        let retry = retry.unwrap_or(6).min(6);
         let mut p = RetryPolicy { timeout: 18, retry };
-        if let Some(t) = env("RDMACOMM_IB_TIMEOUT") {
+        if let Some(t) = timeout {
             p.timeout = t.clamp(1, 31);
             return p;
         }
@@ -202,7 +198,7 @@ impl RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy::for_limit(std::time::Duration::from_secs(30))
+        RetryPolicy::for_limit(std::time::Duration::from_secs(30), None, None)
     }
 }
 
@@ -226,6 +222,20 @@ pub struct RcQueuePair {
 /// Largest payload we post inline.
 pub const MAX_INLINE: u32 = 64;
 
+/// Most gather entries in one write (a header from our buffer, then the data).
+pub const MAX_SGE: usize = 2;
+
+/// One local range of a write: `len` bytes at `addr` in the memory region of `lkey`.
+#[derive(Debug, Clone, Copy)]
+pub struct Sge {
+    /// The local key of the region holding the range.
+    pub lkey: u32,
+    /// The range's address.
+    pub addr: u64,
+    /// Its length.
+    pub len: u32,
+}
+
 impl RcQueuePair {
     /// Creates an RC QP on `cq` (send and receive) and moves it to INIT.
     pub fn new(
@@ -240,7 +250,7 @@ impl RcQueuePair {
             .setup_recv_cq(cq.handle())
             .setup_max_send_wr(send_depth)
             .setup_max_recv_wr(recv_depth)
-            .setup_max_send_sge(1)
+            .setup_max_send_sge(MAX_SGE as u32)
             .setup_max_recv_sge(1)
             .setup_max_inline_data(MAX_INLINE);
         let mut qp = b.build().map_err(|e| Error::Verbs {
@@ -251,9 +261,7 @@ impl RcQueuePair {
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(sel.port)
-            .setup_access_flags(
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            );
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
         qp.modify(&attr).map_err(|e| Error::Verbs {
             op: "modify QP to INIT",
             detail: format!("{e:?}"),
@@ -319,36 +327,46 @@ impl RcQueuePair {
         })
     }
 
-    /// Posts an RDMA WRITE of `len` bytes at local `addr` (in the MR of `lkey`) to the peer's
-    /// `remote_addr` (in its MR of `rkey`), with an immediate when `imm` is set. Payloads up to
-    /// [`MAX_INLINE`] bytes go inline (copied at post time). No allocation.
+    /// Posts an RDMA WRITE of the local ranges `sges` (at most [`MAX_SGE`], each in the MR of
+    /// its lkey), gathered in order, to the peer's `remote_addr` (in its MR of `rkey`), with an
+    /// immediate when `imm` is set. Up to [`MAX_INLINE`] bytes in all go inline (copied at post
+    /// time). No allocation.
     ///
     /// # Safety
-    /// The local range must stay valid and unmodified, and the remote range must belong to the
+    /// The local ranges must stay valid and unmodified, and the remote range must belong to the
     /// peer's registered buffer, until this work request completes.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn post_write(
         &mut self,
         wr_id: u64,
-        lkey: u32,
-        addr: u64,
-        len: u32,
+        sges: &[Sge],
         rkey: u32,
         remote_addr: u64,
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<()> {
-        let mut sge = ibv_sge {
-            addr,
-            length: len,
-            lkey,
-        };
+        assert!(sges.len() <= MAX_SGE, "at most {MAX_SGE} gather entries");
+        let mut list = [ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        }; MAX_SGE];
+        let mut m = 0;
+        let mut len = 0u32;
+        for s in sges.iter().filter(|s| s.len > 0) {
+            list[m] = ibv_sge {
+                addr: s.addr,
+                length: s.len,
+                lkey: s.lkey,
+            };
+            len += s.len;
+            m += 1;
+        }
         // SAFETY: an all-zero ibv_send_wr is valid (null pointers, zero unions); fields set below.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
-        if len > 0 {
-            wr.sg_list = &mut sge;
-            wr.num_sge = 1;
+        if m > 0 {
+            wr.sg_list = list.as_mut_ptr();
+            wr.num_sge = m as i32;
         }
         wr.opcode = if imm.is_some() {
             ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
@@ -366,8 +384,9 @@ impl RcQueuePair {
         wr.imm_data_invalidated_rkey_union.imm_data = imm.unwrap_or(0).to_be();
         wr.wr.rdma = rdma_t { remote_addr, rkey };
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is alive (owned by self); wr and sge live on this stack frame for the
-        // call (inline data is copied during it); the caller guarantees the ranges (see above).
+        // SAFETY: the QP is alive (owned by self); wr and the gather list live on this stack
+        // frame for the call (inline data is copied during it); the caller guarantees the
+        // ranges (see above).
         let rc = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
         if rc != 0 {
             let why = match rc {

@@ -1,0 +1,294 @@
+//! What an operation is, as every rank's transport carries it: a sequence number and what the
+//! caller asked (kind, dtype, reduction, algorithm, root, bytes) in a 16-byte header that rides
+//! on the first chunk of an operation to each peer. The receiver compares it with its own
+//! before it lands a byte, so calls that differ across ranks are an error that names both,
+//! never a silent mix of two operations.
+
+use crate::dtype::{AllReduce, DType};
+
+/// Bytes of an encoded [`OpDesc`].
+pub const WIRE: usize = 16;
+
+/// The kind of a communicator operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// `all_reduce`.
+    AllReduce,
+    /// `all_gather` (bytes: each rank's input).
+    AllGather,
+    /// `sum_scatter` (bytes: the input).
+    SumScatter,
+    /// `broadcast`.
+    Broadcast,
+    /// `barrier`.
+    Barrier,
+    /// A `send` matched by a `recv` (bytes: the message).
+    SendRecv,
+    /// Step `algo` of `split` (an exchange of colors, keys or endpoints).
+    Split,
+}
+
+impl OpKind {
+    const ALL: [OpKind; 7] = [
+        OpKind::AllReduce,
+        OpKind::AllGather,
+        OpKind::SumScatter,
+        OpKind::Broadcast,
+        OpKind::Barrier,
+        OpKind::SendRecv,
+        OpKind::Split,
+    ];
+
+    fn code(self) -> u8 {
+        OpKind::ALL.iter().position(|&k| k == self).expect("listed") as u8 + 1
+    }
+
+    fn from_code(c: u8) -> Option<OpKind> {
+        OpKind::ALL.get((c as usize).checked_sub(1)?).copied()
+    }
+}
+
+/// One operation as a rank called it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpDesc {
+    /// The operation's number in its direction between two ranks: the operations before it
+    /// that sent from the one to the other (every collective, and each send of the one matched
+    /// by a receive of the other), counted alike on both sides.
+    pub seq: u64,
+    /// What was called.
+    pub kind: OpKind,
+    /// Element type, where the operation has one.
+    pub dtype: Option<DType>,
+    /// Reduction, where the operation has one.
+    pub reduce: Option<AllReduce>,
+    /// The algorithm setting the chunk pattern depends on (all_reduce's `Algo`, broadcast's
+    /// chain or tree, split's step), as a small number named by [`OpDesc::algo_name`].
+    pub algo: u8,
+    /// The broadcast root (0 otherwise).
+    pub root: usize,
+    /// The byte length that sets the transfer (see [`OpKind`]).
+    pub bytes: u64,
+}
+
+/// Which peers an operation exchanges with, for its numbering ([`OpDesc::seq`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every peer, both ways: a collective.
+    All,
+    /// Sends to one peer only.
+    To(usize),
+    /// Receives from one peer only.
+    From(usize),
+}
+
+impl Scope {
+    /// Whether the operation sends to `p` (`out`) or receives from it (`!out`).
+    pub fn counts(self, p: usize, out: bool) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::To(q) => out && q == p,
+            Scope::From(q) => !out && q == p,
+        }
+    }
+}
+
+/// Names of `algo` values for all_reduce, in [`crate::Algo`] order.
+pub const ALL_REDUCE_ALGOS: [&str; 4] = ["ring", "halving", "doubling", "auto"];
+/// Names of `algo` values for broadcast.
+pub const BROADCAST_ALGOS: [&str; 3] = ["chain", "tree", "auto"];
+
+impl OpDesc {
+    /// A descriptor with no dtype, reduction, algorithm or root.
+    pub fn new(kind: OpKind, bytes: usize) -> OpDesc {
+        OpDesc {
+            seq: 0,
+            kind,
+            dtype: None,
+            reduce: None,
+            algo: 0,
+            root: 0,
+            bytes: bytes as u64,
+        }
+    }
+
+    /// The 16 bytes on the wire: bytes (u64), seq (low 16 bits), root (u16), kind, dtype,
+    /// reduction, algorithm (little-endian; 0 = none for dtype and reduction).
+    pub fn encode(&self) -> [u8; WIRE] {
+        let mut w = [0u8; WIRE];
+        w[..8].copy_from_slice(&self.bytes.to_le_bytes());
+        w[8..10].copy_from_slice(&(self.seq as u16).to_le_bytes());
+        w[10..12].copy_from_slice(&(self.root as u16).to_le_bytes());
+        w[12] = self.kind.code();
+        w[13] = self.dtype.map_or(0, |d| {
+            DType::ALL.iter().position(|&x| x == d).unwrap() as u8 + 1
+        });
+        w[14] = self.reduce.map_or(0, |r| {
+            AllReduce::ALL.iter().position(|&x| x == r).unwrap() as u8 + 1
+        });
+        w[15] = self.algo;
+        w
+    }
+
+    /// Reads what [`OpDesc::encode`] wrote; the sequence number is completed from `near`
+    /// (the receiver's own), to which it is closest. `None` for bytes that are no descriptor.
+    pub fn decode(w: &[u8], near: u64) -> Option<OpDesc> {
+        let w: &[u8; WIRE] = w.get(..WIRE)?.try_into().ok()?;
+        let low = u16::from_le_bytes([w[8], w[9]]);
+        let diff = low.wrapping_sub(near as u16) as i16;
+        let pick = |c: u8, n: usize| (c as usize).checked_sub(1).filter(|&i| i < n);
+        Some(OpDesc {
+            seq: near.wrapping_add(diff as i64 as u64),
+            kind: OpKind::from_code(w[12])?,
+            dtype: match w[13] {
+                0 => None,
+                c => Some(DType::ALL[pick(c, DType::ALL.len())?]),
+            },
+            reduce: match w[14] {
+                0 => None,
+                c => Some(AllReduce::ALL[pick(c, AllReduce::ALL.len())?]),
+            },
+            algo: w[15],
+            root: u16::from_le_bytes([w[10], w[11]]) as usize,
+            bytes: u64::from_le_bytes(w[..8].try_into().expect("8 bytes")),
+        })
+    }
+
+    /// The name of the algorithm setting, for messages.
+    pub fn algo_name(&self) -> String {
+        let names: &[&str] = match self.kind {
+            OpKind::AllReduce => &ALL_REDUCE_ALGOS,
+            OpKind::Broadcast => &BROADCAST_ALGOS,
+            OpKind::Split => return format!("step {}", self.algo),
+            _ => &[],
+        };
+        names
+            .get(self.algo as usize)
+            .map_or_else(|| format!("algorithm {}", self.algo), |s| s.to_string())
+    }
+
+    /// Checks the descriptor a peer sent (`wire`) against this rank's: `Err` says, in words,
+    /// what `peer` called where this rank (`me`) called something else.
+    pub fn check(&self, wire: &[u8], peer: usize, me: usize) -> Result<(), String> {
+        let theirs = OpDesc::decode(wire, self.seq);
+        if theirs.as_ref() == Some(self) {
+            return Ok(());
+        }
+        let what = match theirs {
+            Some(t) => format!("called {t} as operation {}", t.seq),
+            None => "sent bytes that describe no operation (a corrupt or misaligned stream)".into(),
+        };
+        Err(format!(
+            "mismatched operations: rank {peer} {what} where rank {me} called {self} as \
+             operation {} (counting what rank {peer} sent to rank {me}): every rank must call \
+             the same operations, with the same arguments, in the same order",
+            self.seq
+        ))
+    }
+}
+
+impl std::fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self.kind {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::SumScatter => "sum_scatter",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Barrier => "barrier",
+            OpKind::SendRecv => "send/recv",
+            OpKind::Split => "split",
+        };
+        let mut args: Vec<String> = Vec::new();
+        if let Some(d) = self.dtype {
+            args.push(d.name().into());
+        }
+        if let Some(r) = self.reduce {
+            args.push(r.name().into());
+        }
+        if self.kind == OpKind::Broadcast {
+            args.push(format!("root {}", self.root));
+        }
+        if self.kind != OpKind::Barrier {
+            args.push(format!("{} B", self.bytes));
+        }
+        if matches!(
+            self.kind,
+            OpKind::AllReduce | OpKind::Broadcast | OpKind::Split
+        ) {
+            args.push(self.algo_name());
+        }
+        write!(f, "{name}({})", args.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> OpDesc {
+        OpDesc {
+            seq: 70_000,
+            kind: OpKind::AllReduce,
+            dtype: Some(DType::f32),
+            reduce: Some(AllReduce::Sum),
+            algo: 3,
+            root: 0,
+            bytes: 4 << 20,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_completes_the_sequence_number() {
+        let d = sample();
+        assert_eq!(OpDesc::decode(&d.encode(), d.seq), Some(d));
+        // A peer a few operations ahead or behind (across the 16-bit wrap) decodes exactly.
+        for delta in [-3i64, -1, 1, 2, 700] {
+            let mut t = d;
+            t.seq = (d.seq as i64 + delta) as u64;
+            assert_eq!(OpDesc::decode(&t.encode(), d.seq), Some(t), "{delta}");
+        }
+        let mut b = sample();
+        b.kind = OpKind::Broadcast;
+        b.dtype = None;
+        b.reduce = None;
+        b.root = 5;
+        b.algo = 1;
+        assert_eq!(OpDesc::decode(&b.encode(), b.seq), Some(b));
+    }
+
+    #[test]
+    fn every_difference_is_named_in_words() {
+        let me = sample();
+        assert_eq!(me.check(&me.encode(), 1, 0), Ok(()));
+        let mut half = me;
+        half.bytes = 2 << 20;
+        let e = me.check(&half.encode(), 1, 0).unwrap_err();
+        assert!(
+            e.contains("rank 1 called all_reduce(f32, sum, 2097152 B, auto) as operation 70000")
+                && e.contains("rank 0 called all_reduce(f32, sum, 4194304 B, auto)"),
+            "{e}"
+        );
+        let mut i = me;
+        i.dtype = Some(DType::i32);
+        assert!(me
+            .check(&i.encode(), 1, 0)
+            .unwrap_err()
+            .contains("all_reduce(i32"));
+        let mut next = me;
+        next.seq += 1;
+        assert!(me
+            .check(&next.encode(), 2, 0)
+            .unwrap_err()
+            .contains("as operation 70001"));
+        let mut b = me;
+        b.kind = OpKind::Broadcast;
+        assert!(me
+            .check(&b.encode(), 1, 0)
+            .unwrap_err()
+            .contains("broadcast("));
+        assert!(me
+            .check(&[0xEE; WIRE], 1, 0)
+            .unwrap_err()
+            .contains("describe no operation"));
+        assert!(me.check(&[0; 3], 1, 0).is_err(), "short");
+    }
+}
