@@ -331,3 +331,45 @@ fn a_bad_setting_on_one_rank_is_named_on_every_rank() {
         );
     }
 }
+
+/// fork() between collectives (a data-loader worker, a `Command`): children start and exit
+/// while communicators live, and every result stays right.
+fn fork_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    for round in 0..20 {
+        let st = std::process::Command::new("true").status().unwrap();
+        assert!(st.success());
+        // SAFETY: the child only calls _exit (async-signal-safe) after fork.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: as above.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        let mut d: Vec<u8> = (0..(1 << 16))
+            .flat_map(|i| ((r + round + i % 7) as f32).to_le_bytes())
+            .collect();
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut d).unwrap();
+        for (i, b) in d.chunks(4).enumerate() {
+            let want: f32 = (0..n).map(|q| (q + round + i % 7) as f32).sum();
+            assert_eq!(
+                f32::from_le_bytes(b.try_into().unwrap()),
+                want,
+                "round {round}"
+            );
+        }
+    }
+    println!("rank {r}: 20 forks between collectives, results right");
+}
+
+#[test]
+fn fork_between_collectives_is_safe() {
+    let name = "fork_between_collectives_is_safe";
+    if !parent_ready(name, fork_body) {
+        return;
+    }
+    spawn_local_ok(name, 2, &[], Duration::from_secs(120));
+}

@@ -74,6 +74,13 @@ pub const MAX_REGISTERED: usize = 64;
 /// `lens` of a slot that holds no arrived chunk.
 const EMPTY: u32 = u32::MAX;
 
+/// A peer's consumed count of our chunks from its low 16 bits (an immediate's or a mailbox
+/// tag's): it lies at most `slots` below `sent`, the chunks we posted.
+fn below(sent: u64, low: u16) -> u64 {
+    let behind = sent.wrapping_sub(u64::from(low)) & 0xffff;
+    sent - behind.min(sent)
+}
+
 fn wr_id(kind: u64, peer: usize, index: u64) -> u64 {
     (kind << 62) | ((peer as u64) << 48) | (index & 0xffff_ffff_ffff)
 }
@@ -202,8 +209,9 @@ pub struct RdmaTransport {
     pacer: Pacer,
     device: String,
     port: u8,
-    /// The operation under way.
+    /// The operation under way, and its descriptor's bytes (numbered per peer when sent).
     op: OpDesc,
+    op_wire: [u8; op::WIRE],
 }
 
 impl RdmaTransport {
@@ -349,6 +357,7 @@ impl RdmaTransport {
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
             port: sel.port,
             op: OpDesc::new(OpKind::Barrier, 0),
+            op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
         })
     }
 
@@ -496,8 +505,7 @@ impl RdmaTransport {
                     }
                     // The peer's consumed count of our chunks, from its low 16 bits: it lies
                     // within `slots` below what we sent.
-                    let behind = st.sent.wrapping_sub(u64::from(imm >> 16)) & 0xffff;
-                    st.peer_consumed = st.peer_consumed.max(st.sent - behind.min(st.sent));
+                    st.peer_consumed = st.peer_consumed.max(below(st.sent, (imm >> 16) as u16));
                     st.lens[(k % slots) as usize] = len;
                     st.cq_next = k + 1;
                     st.qp.post_recv(wr_id(KIND_RECV, p, k + slots))?;
@@ -569,8 +577,9 @@ impl RdmaTransport {
         Ok(())
     }
 
-    /// Chunk `k` from `p`, if it has landed in its mailbox: (length, offset of the entry).
-    fn landed(&self, p: usize, k: u64) -> Option<(usize, usize)> {
+    /// Chunk `k` from `p`, if it has landed in its mailbox: (length, offset of the entry, the low
+    /// 16 bits of `p`'s consumed count of our chunks).
+    fn landed(&self, p: usize, k: u64) -> Option<(usize, usize, u16)> {
         let entry = self.layout.mailbox_off(p, k);
         let ptr = self.buf.ptr_at(entry + ENTRY - 8) as *const u64;
         // SAFETY: an aligned u64 inside our buffer (entries are 64-byte aligned), written only
@@ -580,16 +589,16 @@ impl RdmaTransport {
         let len = mailbox::tag_len(tag, k)?;
         // The tag is read before the bytes written ahead of it.
         fence(Ordering::Acquire);
-        Some((len, entry))
+        Some((len, entry, mailbox::tag_consumed(tag)))
     }
 
     /// The highest consumed count of our chunks that `p` reported in a mailbox chunk that
     /// arrived and is not taken yet (0 if none).
     fn mailbox_credits(&self, p: usize) -> u64 {
-        let consumed = self.peers[p].as_ref().expect("no link to self").consumed;
-        (consumed..consumed + self.layout.slots as u64)
+        let st = self.peers[p].as_ref().expect("no link to self");
+        (st.consumed..st.consumed + self.layout.slots as u64)
             .filter_map(|k| self.landed(p, k))
-            .map(|(_, off)| mailbox::consumed(self.buf.slice(off, ENTRY)))
+            .map(|(.., low)| below(st.sent, low))
             .max()
             .unwrap_or(0)
     }
@@ -690,10 +699,6 @@ impl Link for RdmaTransport {
             // Credits ride on chunks that arrived but are not taken yet: on receive
             // completions (seen when polled) and in mailbox trailers (seen only here).
             credits = credits.max(self.mailbox_credits(p));
-            if credits > self.state(p).sent {
-                let e = format!("protocol error: a mailbox chunk claims {credits} chunks consumed");
-                return Err(self.fail(p, e));
-            }
             self.state(p).peer_consumed = credits;
         }
         let st = self.state(p);
@@ -702,15 +707,12 @@ impl Link for RdmaTransport {
             return Ok(false);
         }
         // The operation's first chunk to p carries its descriptor just ahead of the data.
+        let wire = self.op_wire;
         let st = self.state(p);
         let head = if st.head_out { op::WIRE } else { 0 };
-        let desc = OpDesc {
-            seq: st.seq_out,
-            ..self.op
-        }
-        .encode();
+        let desc = OpDesc::numbered(wire, st.seq_out);
         // A lent or registered buffer sends straight from memory, but a chunk small enough to
-        // go inline is copied at post time (by mailbox up to 48 bytes) and needs no settling.
+        // go inline is copied at post time (by mailbox up to 56 bytes) and needs no settling.
         let region = if data.len() > MAX_INLINE as usize {
             self.lent
                 .iter()
@@ -804,17 +806,16 @@ impl Link for RdmaTransport {
         let k = st.consumed;
         let slot = (k % slots) as usize;
         let head = if st.head_in { op::WIRE } else { 0 };
-        let (by_imm, seq) = (st.lens[slot], st.seq_in);
+        let (by_imm, seq, sent) = (st.lens[slot], st.seq_in, st.sent);
         // The chunk's bytes as written (the descriptor first, if any): where, how many, and
         // the credits a mailbox trailer carries.
         let (off, len, mailbox_consumed) = if by_imm != EMPTY {
             (self.layout.recv_off(p, k) - head, by_imm as usize, None)
         } else {
-            let Some((len, entry)) = self.landed(p, k) else {
+            let Some((len, entry, low)) = self.landed(p, k) else {
                 return Ok(false);
             };
-            let consumed = (len <= mailbox::MAX_PAYLOAD)
-                .then(|| mailbox::consumed(self.buf.slice(entry, ENTRY)));
+            let consumed = Some(below(sent, low));
             (
                 entry + mailbox::payload(len.min(mailbox::MAX_PAYLOAD)).start,
                 len,
@@ -835,9 +836,12 @@ impl Link for RdmaTransport {
             return Err(self.fail(p, e));
         }
         if head > 0 {
-            let mine = OpDesc { seq, ..self.op };
-            if let Err(why) = mine.check(self.buf.slice(off, head), p, self.rank) {
-                return Err(self.watch.mismatch(p, why));
+            let got = self.buf.slice(off, head);
+            if got != OpDesc::numbered(self.op_wire, seq) {
+                let mine = OpDesc { seq, ..self.op };
+                if let Err(why) = mine.check(got, p, self.rank) {
+                    return Err(self.watch.mismatch(p, why));
+                }
             }
         }
         f(self.buf.slice(off + head, len - head))?;
@@ -845,10 +849,6 @@ impl Link for RdmaTransport {
         st.head_in = false;
         st.lens[slot] = EMPTY;
         if let Some(c) = mailbox_consumed {
-            if c > st.sent {
-                let e = format!("protocol error: a mailbox chunk claims {c} chunks consumed");
-                return Err(self.fail(p, e));
-            }
             st.peer_consumed = st.peer_consumed.max(c);
         }
         let st = self.state(p);
@@ -968,6 +968,7 @@ impl Link for RdmaTransport {
 
     fn start(&mut self, op: &OpDesc, scope: Scope) {
         self.op = *op;
+        self.op_wire = op.encode();
         self.watch.waiting_on(None);
         for (p, st) in self.peers.iter_mut().enumerate() {
             let Some(st) = st.as_mut() else { continue };

@@ -79,7 +79,7 @@ pub fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; KEY] {
 }
 
 /// Whether `tag` is the HMAC of `parts` under `key` (in constant time).
-fn mac_ok(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
+pub fn mac_ok(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key length");
     for p in parts {
         m.update(p);

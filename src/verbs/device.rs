@@ -55,6 +55,19 @@ impl DeviceChoice {
     }
 }
 
+/// Makes registered memory safe across `fork()` (a data-loader worker, a `Command`) before the
+/// first verbs object exists: libibverbs then keeps registered pages out of children (kernels
+/// since 5.13 copy them on fork and need nothing; the call then changes nothing).
+fn fork_safe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: no arguments; called once, before any other verbs call of this process's
+        // (every device access starts from device_list), as libibverbs asks. Its failure only
+        // means fork is not made safe: the same as not calling it.
+        let _ = unsafe { rdma_mummy_sys::ibv_fork_init() };
+    });
+}
+
 /// One port of one device, as listed.
 #[derive(Debug, Clone)]
 pub struct PortInfo {
@@ -95,6 +108,7 @@ pub struct Selected {
 
 /// Opens the device list; "no RDMA here" (ENOSYS, EOPNOTSUPP, no libibverbs, empty) is [`Error::NoDevice`].
 fn device_list() -> Result<DeviceList> {
+    fork_safe();
     match DeviceList::new() {
         Ok(list) if list.is_empty() => Err(Error::NoDevice(
             "libibverbs lists no RDMA device (load a driver, or create a soft-RoCE device: tools/setup-rxe)".into(),
