@@ -123,6 +123,13 @@ fn kill_body() {
     survive(&c, victim);
 }
 
+/// Prints what a survivor saw (its "saw after" lines).
+fn print_seen(x: &RankResult) {
+    for l in x.output.lines().filter(|l| l.contains("saw after")) {
+        println!("{l}");
+    }
+}
+
 fn kill_case(name: &str, n: usize, victim: usize, mode: &str) {
     if !parent_ready(name, kill_body) {
         return;
@@ -264,14 +271,7 @@ fn stop_case(name: &str, victim: usize) {
             x.rank,
             x.output
         );
-        println!(
-            "{}",
-            x.output
-                .lines()
-                .filter(|l| l.contains("saw after"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
+        print_seen(x);
     }
 }
 
@@ -381,14 +381,7 @@ fn link_down_during_a_collective() {
             x.rank,
             x.output
         );
-        println!(
-            "{}",
-            x.output
-                .lines()
-                .filter(|l| l.contains("saw after"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
+        print_seen(x);
     }
 }
 

@@ -247,3 +247,48 @@ fn a_world_past_the_bound_is_refused_by_name() {
         .to_string();
     assert!(e.contains("more than rdmacomm supports (16384"), "{e}");
 }
+
+/// Open file descriptors of this process.
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// In a process of its own (other tests' threads open descriptors meanwhile): fifty failed
+/// rendezvous, alternately as rank 0 whose rank 1 never comes and as a rank 1 whose rank 0
+/// never listens. Over RDMA (the VM stage) each attempt opens the device, registers memory and
+/// creates queue pairs before it meets anyone; over TCP, listeners and sockets.
+fn leak_body() {
+    let attempt = |rank: usize| {
+        let port = free_port();
+        let mut cfg = Config::new(rank, 2, format!("127.0.0.1:{port}")).unwrap();
+        cfg.timeout = Duration::from_millis(150);
+        assert!(Comm::new(&cfg).is_err(), "rank {rank} joined nobody");
+    };
+    attempt(0);
+    attempt(1);
+    let before = fds();
+    for i in 0..50 {
+        attempt(i % 2);
+    }
+    let after = fds();
+    assert_eq!(
+        after, before,
+        "descriptors left behind by 50 failed rendezvous"
+    );
+    println!("50 failed rendezvous: {before} descriptors before, {after} after");
+}
+
+#[test]
+fn fifty_failed_rendezvous_leave_nothing_behind() {
+    let name = "fifty_failed_rendezvous_leave_nothing_behind";
+    if !parent_ready(name, leak_body) {
+        return;
+    }
+    assert_all_ok(&spawn(
+        name,
+        1,
+        Placement::Local,
+        &|_| vec![],
+        Duration::from_secs(60),
+    ));
+}

@@ -26,6 +26,14 @@ fn f32s(v: f32, n: usize) -> Vec<u8> {
     bytemuck::cast_slice(&vec![v; n]).to_vec()
 }
 
+/// The line a rank printed with its outcome (`RESULT rank ...`); panics, showing `all`, without.
+fn result_line<'a>(x: &'a RankResult, case: &str, all: &str) -> &'a str {
+    x.output
+        .lines()
+        .find_map(|l| l.find("RESULT rank").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("{case}: rank {} printed no result:\n{all}", x.rank))
+}
+
 /// One rank of a mismatch case: runs this rank's calls, then a barrier; prints the first
 /// error, or that every call returned Ok.
 fn mismatch_body() {
@@ -106,11 +114,7 @@ fn mismatched_calls_are_named_on_every_rank() {
         );
         let all: String = res.iter().map(|x| x.output.as_str()).collect();
         for x in &res {
-            let line = x
-                .output
-                .lines()
-                .find_map(|l| l.find("RESULT rank").map(|i| &l[i..]))
-                .unwrap_or_else(|| panic!("{case}: rank {} printed no result:\n{all}", x.rank));
+            let line = result_line(x, case, &all);
             assert!(
                 line.contains("ERROR") && line.contains("mismatched operations"),
                 "{case}: rank {} must fail naming the mismatch: {line}\n{all}",
@@ -301,11 +305,7 @@ fn a_bad_setting_on_one_rank_is_named_on_every_rank() {
         );
         let all: String = res.iter().map(|x| x.output.as_str()).collect();
         for x in &res {
-            let line = x
-                .output
-                .lines()
-                .find_map(|l| l.find("RESULT rank").map(|i| &l[i..]))
-                .unwrap_or_else(|| panic!("{var}: rank {} printed no result:\n{all}", x.rank));
+            let line = result_line(x, var, &all);
             assert!(
                 line.contains("ERROR"),
                 "{var}: rank {} joined: {all}",
