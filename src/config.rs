@@ -327,6 +327,15 @@ impl Config {
             None => 0,
         };
         crate::copy::requested()?;
+        // Read by the reduction kernels; anything but these was silently ignored.
+        match env("RDMACOMM_SIMD").as_deref().map(str::trim) {
+            None | Some("auto") | Some("baseline") => {}
+            Some(v) => {
+                return Err(Error::Config(format!(
+                    "RDMACOMM_SIMD={v:?}: use baseline or auto"
+                )))
+            }
+        }
         let cfg = Config {
             rank,
             world_size,

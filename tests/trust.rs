@@ -286,6 +286,7 @@ fn a_bad_setting_on_one_rank_is_named_on_every_rank() {
             "lots",
             "RDMACOMM_ZERO_COPY_MIN",
         ),
+        (1, "RDMACOMM_SIMD", "avx512", "use baseline or auto"),
     ];
     for (bad, var, val, want) in cases {
         let t0 = Instant::now();
