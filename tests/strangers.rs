@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 use rdmacomm::{AllReduce, Comm, Communicator, Config, DType};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -291,4 +291,325 @@ fn fifty_failed_rendezvous_leave_nothing_behind() {
         &|_| vec![],
         Duration::from_secs(60),
     ));
+}
+
+/// Reads one frame (length, kind, body) from `s`.
+fn read_frame(s: &mut TcpStream) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let mut f = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut f)?;
+    Ok((f[0], f[1..].to_vec()))
+}
+
+/// Writes one frame.
+fn write_frame(s: &mut TcpStream, kind: u8, body: &[u8]) {
+    let mut f = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+    f.push(kind);
+    f.extend_from_slice(body);
+    s.write_all(&f).unwrap();
+}
+
+/// Plays a coordinator without the secret for one rank 1 of a world of 2: challenges it, reads
+/// its hello, answers with a made-up proof, and gathers what comes after until the joiner
+/// closes. Returns the hello's length and those bytes, and the joiner's output.
+fn fake_coordinator(name: &str, secret: Option<&str>) -> (usize, Vec<u8>, String) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let coord = l.local_addr().unwrap().to_string();
+    let secret = secret.map(str::to_string);
+    let joiner = std::thread::spawn({
+        let name = name.to_string();
+        move || {
+            let res = spawn(
+                &name,
+                1,
+                Placement::Local,
+                &|_| {
+                    let mut v = vec![
+                        ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
+                        ("RDMACOMM_TIMEOUT".to_string(), "4".to_string()),
+                        ("RDMACOMM_RANK".to_string(), "1".to_string()),
+                        ("RDMACOMM_WORLD_SIZE".to_string(), "2".to_string()),
+                    ];
+                    if let Some(s) = &secret {
+                        v.push(("RDMACOMM_SECRET".to_string(), s.clone()));
+                    }
+                    v
+                },
+                Duration::from_secs(30),
+            );
+            res.into_iter().next().unwrap().output
+        }
+    });
+    let (mut s, _) = l.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write_frame(&mut s, 9, &[7u8; 32]);
+    let (kind, hello) = read_frame(&mut s).unwrap();
+    assert_eq!(kind, 1, "a hello");
+    write_frame(&mut s, 10, &[0x55u8; 32]);
+    let mut after = Vec::new();
+    let _ = s.read_to_end(&mut after);
+    (hello.len(), after, joiner.join().unwrap())
+}
+
+#[test]
+fn a_fake_coordinator_learns_no_card() {
+    let name = "a_fake_coordinator_learns_no_card";
+    if !parent_ready(name, job_body) {
+        return;
+    }
+    // Without a secret the hello carries the card (nothing to check a coordinator by); with
+    // one, the card waits for a proof that a process which took rank 0's port cannot give.
+    let (open, _, _) = fake_coordinator(name, None);
+    let (guarded, after, out) = fake_coordinator(name, Some("s3cret"));
+    assert!(
+        guarded < open,
+        "with a secret the hello leaves the card out: {guarded} bytes against {open} without"
+    );
+    assert!(after.is_empty(), "nothing follows a bad proof: {after:?}");
+    assert!(
+        out.contains("failed authentication") && out.contains("card was not sent"),
+        "the joiner names the fake: {out}"
+    );
+}
+
+#[test]
+fn a_joiner_that_stops_reading_is_named_within_the_deadline() {
+    use rdmacomm::transport::rendezvous::{rendezvous, Card};
+    // Rank 0 in a thread; rank 1 through a relay that passes rank 0's challenge and then stops
+    // reading; ranks 2..n with cards as large as a hello may be, so that rank 1's table (every
+    // rank's card) is megabytes, far past what the sockets buffer.
+    let n = 64;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let coord = l.local_addr().unwrap().to_string();
+    let cfg = |r: usize, at: &str| {
+        let mut c = Config::new(r, n, at).unwrap();
+        c.timeout = Duration::from_secs(4);
+        c
+    };
+    let big = Card {
+        common: vec![0xab; 80_000],
+        entry: 0,
+        each: Vec::new(),
+    };
+    let t0 = Instant::now();
+    let rank0 = std::thread::spawn({
+        let (c, big) = (cfg(0, &coord), big.clone());
+        move || rdmacomm::transport::rendezvous::rendezvous_on(&c, &big, Some(l)).map(|_| ())
+    });
+    let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_at = relay.local_addr().unwrap().to_string();
+    let relay_thread = std::thread::spawn({
+        let coord = coord.clone();
+        move || {
+            let (mut joiner, _) = relay.accept().unwrap();
+            let sock =
+                socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+            sock.set_recv_buffer_size(4096).unwrap();
+            let sa: std::net::SocketAddr = coord.parse().unwrap();
+            sock.connect(&sa.into()).unwrap();
+            let mut up: TcpStream = sock.into();
+            let (kind, challenge) = read_frame(&mut up).unwrap();
+            write_frame(&mut joiner, kind, &challenge);
+            // The hello goes up; nothing more comes down.
+            let (kind, hello) = read_frame(&mut joiner).unwrap();
+            write_frame(&mut up, kind, &hello);
+            std::thread::sleep(Duration::from_secs(7));
+            drop((up, joiner));
+        }
+    });
+    let mut others = Vec::new();
+    for r in 1..n {
+        let (c, big) = (cfg(r, if r == 1 { &relay_at } else { &coord }), big.clone());
+        others.push(std::thread::spawn(move || {
+            rendezvous(&c, &big)
+                .map(|_| ())
+                .err()
+                .map(|e| e.to_string())
+        }));
+    }
+    let e = rank0
+        .join()
+        .unwrap()
+        .expect_err("rank 1 never read its table");
+    let took = t0.elapsed();
+    let e = e.to_string();
+    assert!(e.contains("rank 1") && e.contains("stopped reading"), "{e}");
+    assert!(
+        took < Duration::from_secs(8),
+        "rank 0 gave up after {took:?}"
+    );
+    for o in others {
+        assert!(
+            o.join().unwrap().is_some(),
+            "no rank completes without rank 0"
+        );
+    }
+    relay_thread.join().unwrap();
+    println!("rank 0 named the joiner that stopped reading after {took:?}: {e}");
+}
+
+/// The listening TCP ports of this process (from /proc), IPv4.
+fn own_listening_ports() -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(
+                l.strip_prefix("socket:[")?
+                    .trim_end_matches(']')
+                    .to_string(),
+            )
+        })
+        .collect();
+    let tcp = std::fs::read_to_string("/proc/self/net/tcp").unwrap_or_default();
+    tcp.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]))
+                .then(|| u16::from_str_radix(f[1].rsplit(':').next()?, 16).ok())
+                .flatten()
+        })
+        .collect()
+}
+
+/// Rank 0 of a TCP job while an impostor claims rank 1 on every data port it opens (all but
+/// the coordinator's) until the communicator is made; rank 1 joins a second late.
+fn impostor_body() {
+    let (r, n) = rank_size();
+    if r == 0 {
+        let coord_port: u16 = std::env::var("RDMACOMM_COORDINATOR")
+            .unwrap()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = done.clone();
+        let imp = std::thread::spawn(move || {
+            let (mut seen, mut held) = (Vec::new(), Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for p in own_listening_ports() {
+                    if p != coord_port && !seen.contains(&p) {
+                        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", p)) {
+                            // "I am rank 1", and a made-up proof.
+                            let mut claim = 1u32.to_le_bytes().to_vec();
+                            claim.extend_from_slice(&[0u8; 32]);
+                            let _ = s.write_all(&claim);
+                            let _ = s.write_all(&[0xee; 4096]);
+                            seen.push(p);
+                            held.push(s);
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            seen.len()
+        });
+        let out = job_body_checked(r, n);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let hits = imp.join().unwrap();
+        assert!(hits >= 1, "the impostor found the data port");
+        println!("RESULT rank 0: {out} beside an impostor on {hits} data port(s)");
+    } else {
+        std::thread::sleep(Duration::from_millis(1000));
+        let out = job_body_checked(r, n);
+        println!("RESULT rank {r}: {out}");
+    }
+}
+
+/// Makes a communicator, all-reduces, checks against the scalar sum; returns what happened.
+fn job_body_checked(r: usize, n: usize) -> String {
+    let c = Comm::from_env().unwrap();
+    let mut d: Vec<u8> = (0..4096)
+        .flat_map(|i| ((r * 7919 + i) as f32).to_le_bytes())
+        .collect();
+    c.all_reduce(AllReduce::Sum, DType::f32, &mut d).unwrap();
+    for (i, b) in d.chunks(4).enumerate() {
+        let want: f32 = (0..n).map(|q| (q * 7919 + i) as f32).sum();
+        assert_eq!(
+            f32::from_le_bytes(b.try_into().unwrap()),
+            want,
+            "element {i}"
+        );
+    }
+    "checked".to_string()
+}
+
+#[test]
+fn an_impostor_on_the_data_port_changes_nothing() {
+    let name = "an_impostor_on_the_data_port_changes_nothing";
+    if !parent_ready(name, impostor_body) {
+        return;
+    }
+    let res = spawn(
+        name,
+        2,
+        Placement::Local,
+        &|_| {
+            vec![
+                ("RDMACOMM_TRANSPORT".to_string(), "tcp".to_string()),
+                ("RDMACOMM_TIMEOUT".to_string(), "15".to_string()),
+            ]
+        },
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&res);
+    assert!(
+        res[0].output.contains("beside an impostor"),
+        "{}",
+        res[0].output
+    );
+}
+
+#[test]
+fn a_restarted_rank_takes_its_place() {
+    let name = "a_restarted_rank_takes_its_place";
+    if !parent_ready(name, job_body) {
+        return;
+    }
+    let port = free_port();
+    let coord = format!("127.0.0.1:{port}");
+    // The first rank 1 joins and then dies (its rendezvous times out and closes); rank 2 comes
+    // next (the group must not form with the dead rank 1), then a second rank 1 takes its place,
+    // and the job completes.
+    let first = std::thread::spawn({
+        let coord = coord.clone();
+        move || {
+            let mut c = Config::new(1, 3, coord).unwrap();
+            c.timeout = Duration::from_secs(3);
+            let t0 = Instant::now();
+            let r = rdmacomm::transport::rendezvous::rendezvous(
+                &c,
+                &rdmacomm::transport::rendezvous::Card::default(),
+            );
+            (r.is_err(), t0.elapsed())
+        }
+    });
+    let job = |r: usize| {
+        vec![
+            ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
+            ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
+            (
+                "RXE_TEST_DELAY_MS".to_string(),
+                ["0", "8000", "6000"][r].to_string(),
+            ),
+        ]
+    };
+    let res = spawn(name, 3, Placement::Local, &job, Duration::from_secs(60));
+    let (failed, after) = first.join().unwrap();
+    assert!(failed, "the first rank 1 never completed");
+    assert!(
+        after < Duration::from_secs(8),
+        "it was gone before its successor came: {after:?}"
+    );
+    assert_all_ok(&res);
+    assert!(
+        res[0].output.contains("rank 1 left the rendezvous before the group formed"),
+        "rank 0 says so: {}",
+        res[0].output
+    );
 }

@@ -8,11 +8,12 @@ use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
 pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
-/// The wire protocol's version (4: a challenge first; the HELLO carries the job, the shared
-/// settings, a configuration error and a MAC; per-rank tables with a session key; operation
-/// descriptors on the data path), checked at the rendezvous so that mixed builds fail with a
+/// The wire protocol's version (5: a challenge first; the HELLO carries the job, the shared
+/// settings, a configuration error and a MAC; with a secret, the card only after rank 0 proved
+/// it; per-rank tables with a session key; operation descriptors on the data path; a key per
+/// peer over RDMA), checked at the rendezvous so that mixed builds fail with a
 /// clear error instead of misreading each other.
-pub(crate) const VERSION: u16 = 4;
+pub(crate) const VERSION: u16 = 5;
 pub(crate) const HELLO: u8 = 1;
 pub(crate) const REJECT: u8 = 2;
 pub(crate) const TABLE: u8 = 3;
@@ -95,6 +96,39 @@ pub(crate) fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::R
     f.push(kind);
     f.extend_from_slice(body);
     s.write_all(&f)
+}
+
+/// [`send_frame`] by `deadline` at the latest (a socket's write timeout bounds each write call,
+/// not the frame: a reader taking a few bytes at a time could stretch it without end).
+pub(crate) fn send_frame_by(
+    s: &mut TcpStream,
+    kind: u8,
+    body: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let mut f = Vec::with_capacity(body.len() + 5);
+    f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(body);
+    let mut at = 0;
+    while at < f.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!("{} of {} bytes written by the deadline", at, f.len()),
+            ));
+        }
+        s.set_write_timeout(Some(left))?;
+        match s.write(&f[at..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(k) => at += k,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {

@@ -149,8 +149,9 @@ impl PeerState {
 /// lands (just ahead of the data, which stays 64-byte aligned).
 const PRE: usize = 64;
 
-/// Buffer layout: for each rank p (own index unused): recv slots, then send slots, then
-/// credits, then mailboxes. A slot is [`PRE`] bytes, then `slot` bytes of data.
+/// Buffer layout: for each rank p (own index unused) a block that only p may write, under a key
+/// of its own: recv slots, a credit line, mailboxes; then the send slots for every rank, which
+/// no peer may write. A slot is [`PRE`] bytes, then `slot` bytes of data.
 #[derive(Debug, Clone, Copy)]
 struct Layout {
     n: usize,
@@ -162,24 +163,33 @@ impl Layout {
     fn region(&self) -> usize {
         self.slots * (PRE + self.slot)
     }
+    /// Bytes of the block each peer writes.
+    fn block(&self) -> usize {
+        self.region() + 64 + self.slots * ENTRY
+    }
+    /// The block `p` writes.
+    fn window(&self, p: usize) -> std::ops::Range<usize> {
+        p * self.block()..(p + 1) * self.block()
+    }
     /// Where chunk `k` from `p` lands: the data's offset.
     fn recv_off(&self, p: usize, k: u64) -> usize {
-        p * self.region() + (k as usize % self.slots) * (PRE + self.slot) + PRE
+        p * self.block() + (k as usize % self.slots) * (PRE + self.slot) + PRE
     }
     /// Where chunk `k` to `p` is staged: the data's offset.
     fn send_off(&self, p: usize, k: u64) -> usize {
-        (self.n + p) * self.region() + (k as usize % self.slots) * (PRE + self.slot) + PRE
+        self.n * self.block()
+            + p * self.region()
+            + (k as usize % self.slots) * (PRE + self.slot)
+            + PRE
     }
     fn credit_off(&self, p: usize) -> usize {
-        2 * self.n * self.region() + p * 64
+        p * self.block() + self.region()
     }
     fn mailbox_off(&self, p: usize, k: u64) -> usize {
-        2 * self.n * self.region()
-            + self.n * 64
-            + (p * self.slots + k as usize % self.slots) * ENTRY
+        p * self.block() + self.region() + 64 + (k as usize % self.slots) * ENTRY
     }
     fn total(&self) -> usize {
-        2 * self.n * self.region() + self.n * 64 + self.n * self.slots * ENTRY
+        self.n * (self.block() + self.region())
     }
 }
 
@@ -234,7 +244,11 @@ impl RdmaTransport {
             slots: cfg.slots,
             slot: cfg.slot_bytes,
         };
-        let buf = RegisteredBuffer::new(&pd, layout.total())?;
+        let windows: Vec<_> = (0..n)
+            .filter(|&p| p != cfg.rank)
+            .map(|p| layout.window(p))
+            .collect();
+        let buf = RegisteredBuffer::with_windows(&pd, layout.total(), &windows)?;
         let s = cfg.slots as u32;
         let send_depth = 2 * s + 16;
         let cq_depth = ((send_depth + s) * (n as u32 - 1).max(1)).max(64);
@@ -247,21 +261,27 @@ impl RdmaTransport {
                 Some(RcQueuePair::new(&pd, &cq, &sel, send_depth, s)?)
             });
         }
-        // Our card: geometry, buffer address and key for every rank; one endpoint per rank.
+        // Our card: geometry and buffer address for every rank; for each rank, the endpoint of
+        // its queue pair and the key of the one block it may write.
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_RDMA.to_le_bytes());
         common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
         common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
         common.extend_from_slice(&buf.addr().to_le_bytes());
-        common.extend_from_slice(&buf.rkey().to_le_bytes());
-        let mut each = Vec::with_capacity(n * Endpoint::BYTES);
-        for qp in &qps {
+        let mut each = Vec::with_capacity(n * (Endpoint::BYTES + 4));
+        for (p, qp) in qps.iter().enumerate() {
             let e = qp.as_ref().map(|q| q.endpoint()).unwrap_or_default();
             each.extend_from_slice(&e.to_bytes());
+            let key = if p == cfg.rank {
+                0
+            } else {
+                buf.rkey_at(layout.window(p).start)
+            };
+            each.extend_from_slice(&key.to_le_bytes());
         }
         let card = Card {
             common,
-            entry: Endpoint::BYTES,
+            entry: Endpoint::BYTES + 4,
             each,
         };
         let rv = meet(&card)?;
@@ -284,12 +304,13 @@ impl RdmaTransport {
                     cfg.rank, cfg.slots, cfg.slot_bytes
                 )));
             }
+            let addr = r.u64()?;
+            // The endpoint of p's queue pair for us, and the key of our block in p's buffer.
+            let mine = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
             let remote = Remote {
-                addr: r.u64()?,
+                addr,
                 rkey: r.u32()?,
             };
-            // The endpoint of p's queue pair for us.
-            let mine = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
             for k in 0..cfg.slots as u64 {
                 qp.post_recv(wr_id(KIND_RECV, p, k))?;
             }
@@ -438,7 +459,7 @@ impl RdmaTransport {
                 }
                 Some(_) => {}
                 None if st.wr_posted - st.wr_done + 2 < sq_limit => {
-                    self.post(p, KIND_PROBE, 0, 0, 0, None)?;
+                    self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(self.rank), None)?;
                     self.state(p).probe = Some(Instant::now());
                 }
                 None => {}
@@ -534,7 +555,7 @@ impl RdmaTransport {
         imm: Option<u32>,
     ) -> Result<()> {
         let sge = Sge {
-            lkey: self.buf.lkey(),
+            lkey: self.buf.lkey_at(off, len),
             addr: self.buf.addr() + off as u64,
             len: len as u32,
         };
@@ -636,7 +657,7 @@ impl RdmaTransport {
         // (inline writes free their slots when posted, so only completions show they landed).
         for p in 0..self.peers.len() {
             if self.peers[p].as_ref().is_some_and(|s| s.unsignaled > 0) {
-                self.post(p, KIND_PROBE, 0, 0, 0, None)?;
+                self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(self.rank), None)?;
                 self.state(p).probe = Some(Instant::now());
             }
         }
@@ -723,8 +744,9 @@ impl Link for RdmaTransport {
         };
         let to_mailbox = region.is_none() && head + data.len() <= mailbox::MAX_PAYLOAD;
         let off = self.layout.send_off(p, k);
+        let staging_key = self.buf.lkey_at(off, 0);
         let staged_head = Sge {
-            lkey: self.buf.lkey(),
+            lkey: staging_key,
             addr: self.buf.addr() + (off - head) as u64,
             len: head as u32,
         };
@@ -754,7 +776,7 @@ impl Link for RdmaTransport {
                     let out = self.buf.slice_mut(off, ENTRY);
                     len = mailbox::encode(k, consumed, &payload[..len], out);
                     let at = Sge {
-                        lkey: self.buf.lkey(),
+                        lkey: staging_key,
                         addr: self.buf.addr() + off as u64,
                         len: len as u32,
                     };

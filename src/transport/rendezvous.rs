@@ -4,7 +4,9 @@
 //! Rank 0 listens at the coordinator address and greets every connection with a challenge (a
 //! random nonce). A rank answers with its HELLO: protocol version, job identity, rank, world size,
 //! its card, the settings every rank must share, a configuration error if it has one, its own
-//! nonce, and (with a shared secret) an HMAC-SHA256 over the challenge and all of that. Each
+//! nonce, and (with a shared secret) an HMAC-SHA256 over the challenge and all of that. With a
+//! secret the card waits: rank 0 first proves the secret (a MAC over the joiner's nonce), so a
+//! process that took rank 0's port learns nothing of a rank's memory or queue pairs. Each
 //! connection has its own deadline and is served as its bytes arrive, so idle or slow strangers
 //! starve nobody; anything that is not a well-formed HELLO of this job is closed and reported once
 //! on stderr, and the rendezvous goes on. Only conflicts inside the job end it: a rank twice with
@@ -18,7 +20,8 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::bootstrap::{
-    recv_frame, send_frame, Reader, SideChannel, ABORT, HELLO, MAGIC, REJECT, TABLE, VERSION,
+    recv_frame, send_frame, send_frame_by, Reader, SideChannel, ABORT, HELLO, MAGIC, REJECT, TABLE,
+    VERSION,
 };
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -28,6 +31,10 @@ use std::time::{Duration, Instant};
 
 /// Frame kind of rank 0's greeting: a nonce to answer.
 pub(crate) const CHALLENGE: u8 = 9;
+/// With a secret: rank 0's proof that it holds it (a MAC over the joiner's nonce).
+const PROOF: u8 = 10;
+/// With a secret: the joiner's card, sent only after the proof checked out.
+const CARD: u8 = 11;
 /// Bytes of a nonce, a session key and a MAC.
 pub const KEY: usize = 32;
 /// Longest a connection may take to send its HELLO.
@@ -263,6 +270,66 @@ struct Pending {
 struct Joined {
     sock: TcpStream,
     hello: Hello,
+    /// With a secret, until its card came: the bytes so far, rank 0's challenge, a deadline.
+    awaiting: Option<(Vec<u8>, [u8; KEY], Instant)>,
+}
+
+/// Reads what `sock` (non-blocking) has into `buf`, up to a frame of `limit` bytes: whether
+/// anything came, and why the connection is no use if it is not.
+fn read_some(
+    sock: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    limit: usize,
+) -> (bool, Option<&'static str>) {
+    let mut chunk = [0u8; 4096];
+    let mut busy = false;
+    loop {
+        match sock.read(&mut chunk) {
+            Ok(0) => return (busy, Some("closed without a hello")),
+            Ok(k) => {
+                busy = true;
+                buf.extend_from_slice(&chunk[..k]);
+                if buf.len() > 4 + limit {
+                    return (busy, Some("sent more than a hello"));
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return (busy, None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return (busy, Some("connection failed")),
+        }
+    }
+}
+
+/// Whether `buf` holds a whole frame of at most `limit` bytes (an error for a bad length).
+fn whole_frame(buf: &[u8], limit: usize) -> std::result::Result<bool, &'static str> {
+    if buf.len() < 4 {
+        return Ok(false);
+    }
+    let len = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+    if len == 0 || len > limit {
+        return Err("a malformed frame");
+    }
+    Ok(buf.len() >= 4 + len)
+}
+
+fn encode_card(card: &Card) -> Vec<u8> {
+    let mut v = Vec::new();
+    put_bytes(&mut v, &card.common);
+    v.extend_from_slice(&(card.entry as u32).to_le_bytes());
+    put_bytes(&mut v, &card.each);
+    v
+}
+
+fn decode_card(b: &[u8], n: usize) -> Option<Card> {
+    let mut r = Reader(b);
+    let common = r.bytes().ok()?.to_vec();
+    let entry = r.u32().ok()? as usize;
+    let each = r.bytes().ok()?.to_vec();
+    (r.0.is_empty() && entry.checked_mul(n)? == each.len()).then_some(Card {
+        common,
+        entry,
+        each,
+    })
 }
 
 /// Connections rank 0 ignored, each said once on stderr and remembered for a time-out's words.
@@ -343,9 +410,27 @@ fn coordinate(
     let mut told = vec![false; n];
     told[0] = true;
     loop {
-        let count = joined.iter().flatten().count();
+        let count = joined
+            .iter()
+            .flatten()
+            .filter(|j| j.awaiting.is_none())
+            .count();
         if fatal.is_none() && count == n - 1 {
-            break;
+            // A rank whose connection died while it waited (it may be restarted) is not in.
+            let mut dead = false;
+            for (r, slot) in joined.iter_mut().enumerate() {
+                if slot.as_ref().is_some_and(|j| closed(&j.sock)) {
+                    eprintln!(
+                        "rdmacomm: rank {r} left the rendezvous before the group formed; waiting \
+                         for it to join again"
+                    );
+                    *slot = None;
+                    dead = true;
+                }
+            }
+            if !dead {
+                break;
+            }
         }
         if let Some(f) = &fatal {
             if told.iter().all(|&t| t) || Instant::now() >= deadline {
@@ -402,37 +487,13 @@ fn coordinate(
         let mut i = 0;
         while i < pending.len() {
             let p = &mut pending[i];
-            let mut chunk = [0u8; 4096];
-            let mut gone = None;
-            loop {
-                match p.sock.read(&mut chunk) {
-                    Ok(0) => {
-                        gone = Some("closed without a hello");
-                        break;
-                    }
-                    Ok(k) => {
-                        busy = true;
-                        p.buf.extend_from_slice(&chunk[..k]);
-                        if p.buf.len() > 4 + hello_limit(n) {
-                            gone = Some("sent more than a hello");
-                            break;
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(_) => {
-                        gone = Some("connection failed");
-                        break;
-                    }
-                }
-            }
-            let whole = p.buf.len() >= 4 && {
-                let len = u32::from_le_bytes(p.buf[..4].try_into().expect("4 bytes")) as usize;
-                if len == 0 || len > hello_limit(n) {
-                    gone = gone.or(Some("a malformed frame"));
+            let (moved, mut gone) = read_some(&mut p.sock, &mut p.buf, hello_limit(n));
+            busy |= moved;
+            let whole = match whole_frame(&p.buf, hello_limit(n)) {
+                Ok(w) => w,
+                Err(why) => {
+                    gone = gone.or(Some(why));
                     false
-                } else {
-                    p.buf.len() >= 4 + len
                 }
             };
             if gone.is_none() && !whole && Instant::now() < p.until {
@@ -455,6 +516,47 @@ fn coordinate(
                 &mut fatal,
                 &mut told,
             )?;
+        }
+        // With a secret, the cards of ranks that took rank 0's proof.
+        if let Some(k) = secret {
+            for (r, slot) in joined.iter_mut().enumerate() {
+                let Some(j) = slot.as_mut() else {
+                    continue;
+                };
+                let Some((buf, challenge, until)) = j.awaiting.as_mut() else {
+                    continue;
+                };
+                let _ = j.sock.set_nonblocking(true);
+                let (moved, mut gone) = read_some(&mut j.sock, buf, hello_limit(n));
+                busy |= moved;
+                let mut card = None;
+                match whole_frame(buf, hello_limit(n)) {
+                    Ok(true) => {
+                        let frame = &buf[5..];
+                        card = (buf[4] == CARD && frame.len() >= KEY)
+                            .then(|| frame.split_at(frame.len() - KEY))
+                            .filter(|(body, tag)| mac_ok(k, &[b"card", &challenge[..], body], tag))
+                            .and_then(|(body, _)| decode_card(body, n));
+                        gone = gone.or(card.is_none().then_some("a bad card"));
+                    }
+                    Ok(false) if gone.is_none() && Instant::now() < *until => continue,
+                    Ok(false) => gone = gone.or(Some("sent no card within 10 s")),
+                    Err(why) => gone = gone.or(Some(why)),
+                }
+                if let Some(c) = card {
+                    j.hello.card = c;
+                    j.awaiting = None;
+                    let _ = j.sock.set_nonblocking(false);
+                } else {
+                    // It may join again (a restarted rank).
+                    let why = gone.unwrap_or("a bad card");
+                    strays.note(
+                        j.sock.peer_addr().unwrap_or(sa),
+                        &format!("rank {r} authenticated, then {why}"),
+                    );
+                    *slot = None;
+                }
+            }
         }
         if !busy {
             std::thread::sleep(Duration::from_millis(2));
@@ -485,11 +587,8 @@ fn coordinate(
         table.extend_from_slice(&tag);
         sock.set_nonblocking(false)?;
         // A joiner that stops reading cannot hold rank 0 past its deadline.
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_secs(1));
-        sock.set_write_timeout(Some(left))?;
-        send_frame(&mut sock, TABLE, &table).map_err(|e| Error::PeerFailed {
+        let by = deadline.max(Instant::now() + Duration::from_secs(1));
+        send_frame_by(&mut sock, TABLE, &table, by).map_err(|e| Error::PeerFailed {
             peer: crate::Peer {
                 rank: r,
                 addr: addrs[r].clone(),
@@ -633,9 +732,24 @@ fn judge(
     }
     let mut h = h;
     h.addr = addr;
+    // With a secret, rank 0 proves it before the rank sends its card.
+    let awaiting = match secret {
+        Some(k) => {
+            let proof = mac(k, &[b"rank 0", &h.nonce, &p.nonce]);
+            if send_frame(&mut p.sock, PROOF, &proof).is_err()
+                || p.sock.set_nonblocking(true).is_err()
+            {
+                strays.note(p.from, &format!("rank {rank} closed before rank 0's proof"));
+                return Ok(());
+            }
+            Some((Vec::new(), p.nonce, Instant::now() + HELLO_WITHIN))
+        }
+        None => None,
+    };
     joined[rank] = Some(Joined {
         sock: p.sock,
         hello: h,
+        awaiting,
     });
     Ok(())
 }
@@ -703,8 +817,15 @@ fn join(
         }
     };
     let nonce = random::<KEY>();
-    let body = encode_hello(cfg, card, own_error.unwrap_or(""), &nonce);
     let secret = cfg.secret.as_ref().map(|s| s.bytes());
+    // With a secret, the card goes only to a rank 0 that proved it.
+    let blank = Card::default();
+    let body = encode_hello(
+        cfg,
+        if secret.is_some() { &blank } else { card },
+        own_error.unwrap_or(""),
+        &nonce,
+    );
     let tag = secret.map_or([0; KEY], |k| mac(k, &[&challenge, &body]));
     let mut hello = body;
     hello.extend_from_slice(&tag);
@@ -713,6 +834,39 @@ fn join(
         peer: coord.clone(),
         reason: format!("sending hello: {e}"),
     })?;
+    let refused = |body: &[u8]| {
+        Error::Bootstrap(format!(
+            "rank {}: the coordinator refused the group: {}",
+            cfg.rank,
+            String::from_utf8_lossy(body)
+        ))
+    };
+    if let Some(k) = secret {
+        let (kind, proof) =
+            recv_frame(&mut s, deadline + grace).map_err(|e| Error::PeerFailed {
+                peer: coord.clone(),
+                reason: format!("waiting for rank 0's proof of the secret: {e}"),
+            })?;
+        match kind {
+            PROOF if mac_ok(k, &[b"rank 0", &nonce, &challenge], &proof) => {}
+            REJECT | ABORT => return Err(refused(&proof)),
+            _ => {
+                return Err(Error::Bootstrap(format!(
+                    "rank {}: the coordinator at {sa} failed authentication (RDMACOMM_SECRET \
+                     differs?); this rank's card was not sent",
+                    cfg.rank
+                )))
+            }
+        }
+        let c = encode_card(card);
+        let tag = mac(k, &[b"card", &challenge, &c]);
+        let mut frame = c;
+        frame.extend_from_slice(&tag);
+        send_frame(&mut s, CARD, &frame).map_err(|e| Error::PeerFailed {
+            peer: coord.clone(),
+            reason: format!("sending its card: {e}"),
+        })?;
+    }
     let (kind, body) = recv_frame(&mut s, deadline + grace).map_err(|e| {
         if e.kind() == ErrorKind::TimedOut {
             Error::Bootstrap(format!(
@@ -729,13 +883,7 @@ fn join(
     })?;
     match kind {
         TABLE => {}
-        REJECT | ABORT => {
-            return Err(Error::Bootstrap(format!(
-                "rank {}: the coordinator refused the group: {}",
-                cfg.rank,
-                String::from_utf8_lossy(&body)
-            )))
-        }
+        REJECT | ABORT => return Err(refused(&body)),
         k => {
             return Err(Error::Bootstrap(format!(
                 "unexpected message {k} from the coordinator"

@@ -10,11 +10,13 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-/// A zeroed, page-aligned buffer registered for local and remote write (never remote read).
-/// The MR is released before the memory (field order), and the owner of every QP that may
-/// point into it must drop those QPs first (see `transport::rdma`).
+/// A zeroed, page-aligned buffer registered as one or more memory regions over disjoint ranges:
+/// windows a peer may write (each with its own remote key), the rest for local access only;
+/// nothing is ever remotely readable. The MRs are released before the memory, and the owner of
+/// every QP that may point into it must drop those QPs first (see `transport::rdma`).
 pub struct RegisteredBuffer {
-    mr: Option<Arc<MemoryRegion>>,
+    /// (start, end, MR) in offset order, covering the whole buffer.
+    mrs: Vec<(usize, usize, Arc<MemoryRegion>)>,
     ptr: NonNull<u8>,
     layout: Layout,
 }
@@ -27,9 +29,39 @@ unsafe impl Sync for RegisteredBuffer {}
 
 impl RegisteredBuffer {
     /// Allocates `len` zeroed bytes (rounded up to a page; the RDMA transport's mailboxes rely on
-    /// the zeros) and registers them on `pd`.
+    /// the zeros) and registers them on `pd` as one region that peers may write.
     pub fn new(pd: &Arc<ProtectionDomain>, len: usize) -> Result<Self> {
         let len = len.max(1).next_multiple_of(4096);
+        Self::with_windows(pd, len, std::slice::from_ref(&(0..len)))
+    }
+
+    /// Allocates `len` zeroed bytes (rounded up to a page) and registers each of `windows`
+    /// (sorted, disjoint, non-empty ranges of offsets) as a region peers may write, with a key of
+    /// its own, and the ranges between them for local access only.
+    pub fn with_windows(
+        pd: &Arc<ProtectionDomain>,
+        len: usize,
+        windows: &[std::ops::Range<usize>],
+    ) -> Result<Self> {
+        let len = len.max(1).next_multiple_of(4096);
+        let mut cuts: Vec<(usize, usize, bool)> = Vec::with_capacity(2 * windows.len() + 1);
+        let mut at = 0;
+        for w in windows {
+            if w.start < at || w.end <= w.start || w.end > len {
+                return Err(Error::InvalidArgument(format!(
+                    "window {w:?} of a {len}-byte buffer: windows must be sorted, disjoint, \
+                     non-empty and inside it"
+                )));
+            }
+            if w.start > at {
+                cuts.push((at, w.start, false));
+            }
+            cuts.push((w.start, w.end, true));
+            at = w.end;
+        }
+        if at < len {
+            cuts.push((at, len, false));
+        }
         let layout = Layout::from_size_align(len, 4096)
             .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
         // SAFETY: layout has non-zero size.
@@ -38,22 +70,46 @@ impl RegisteredBuffer {
             op: "allocate",
             detail: format!("out of memory allocating {len} bytes"),
         })?;
-        // Peers write into it (slots, credit words, mailboxes); nothing is ever read remotely.
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
-        // SAFETY: ptr is valid for len bytes and outlives the MR (the MR is dropped first in Drop).
-        let mr = match unsafe { pd.reg_mr(ptr.as_ptr() as usize, len, access) } {
-            Ok(mr) => mr,
-            Err(e) => {
-                // SAFETY: allocated above with this layout and not registered.
-                unsafe { dealloc(ptr.as_ptr(), layout) };
-                return Err(registration_failed(len, e));
-            }
-        };
-        Ok(RegisteredBuffer {
-            mr: Some(mr),
+        let mut buf = RegisteredBuffer {
+            mrs: Vec::with_capacity(cuts.len()),
             ptr,
             layout,
-        })
+        };
+        for (a, b, remote) in cuts {
+            let access = if remote {
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite
+            } else {
+                AccessFlags::LocalWrite
+            };
+            // SAFETY: a..b lies in the allocation, which outlives the MR (Drop deregisters
+            // first); on failure Drop releases what was registered, then the memory.
+            let mr = unsafe { pd.reg_mr(ptr.as_ptr() as usize + a, b - a, access) }
+                .map_err(|e| registration_failed(len, e))?;
+            buf.mrs.push((a, b, mr));
+        }
+        Ok(buf)
+    }
+
+    /// The region holding bytes `off..off+len` (panics if they span two).
+    fn region(&self, off: usize, len: usize) -> &MemoryRegion {
+        let i = self.mrs.partition_point(|m| m.1 <= off);
+        let m = self.mrs.get(i).expect("offset past the registered buffer");
+        assert!(
+            off + len <= m.1,
+            "bytes {off}..{} span two regions",
+            off + len
+        );
+        &m.2
+    }
+
+    /// Local key of the region holding bytes `off..off+len`.
+    pub fn lkey_at(&self, off: usize, len: usize) -> u32 {
+        self.region(off, len).lkey()
+    }
+
+    /// Remote key of the region (window) holding byte `off`.
+    pub fn rkey_at(&self, off: usize) -> u32 {
+        self.region(off, 0).rkey()
     }
 
     /// The base address (what a peer writes to).
@@ -61,14 +117,14 @@ impl RegisteredBuffer {
         self.ptr.as_ptr() as u64
     }
 
-    /// Local key.
+    /// Local key of the region holding byte 0 (the whole buffer, from [`RegisteredBuffer::new`]).
     pub fn lkey(&self) -> u32 {
-        self.mr.as_ref().map_or(0, |m| m.lkey())
+        self.lkey_at(0, 0)
     }
 
-    /// Remote key.
+    /// Remote key of the region holding byte 0 (the whole buffer, from [`RegisteredBuffer::new`]).
     pub fn rkey(&self) -> u32 {
-        self.mr.as_ref().map_or(0, |m| m.rkey())
+        self.rkey_at(0)
     }
 
     /// Length in bytes.
@@ -109,8 +165,8 @@ impl RegisteredBuffer {
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
-        // Deregister first (the Arc is never cloned out of this value), then free the memory.
-        drop(self.mr.take());
+        // Deregister first (the Arcs are never cloned out of this value), then free the memory.
+        self.mrs.clear();
         // SAFETY: allocated in new() with this layout; the MR covering it is gone.
         unsafe { dealloc(self.ptr.as_ptr(), self.layout) };
     }
