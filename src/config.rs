@@ -6,7 +6,7 @@
 //! `SLURM_PROCID`/`SLURM_NTASKS`. Coordinator (rank 0's rendezvous address): `RDMACOMM_COORDINATOR`
 //! (`host:port`), else `MASTER_ADDR`:`MASTER_PORT` (port 29500 if unset). `RDMACOMM_TIMEOUT`
 //! (seconds, default 30) bounds every wait. `RDMACOMM_BIND_ADDR` is this rank's own IP (the source
-//! of its bootstrap connection). `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`) picks the transport.
+//! of its bootstrap connection). `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`, `shm`) picks the transport.
 //! World size 1 needs none of these.
 
 use crate::collectives::Algo;
@@ -15,7 +15,7 @@ use crate::verbs::DeviceChoice;
 use std::time::Duration;
 
 /// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
-pub const VARIABLES: [&str; 24] = [
+pub const VARIABLES: [&str; 26] = [
     "RDMACOMM_JOB_ID",
     "RDMACOMM_SECRET",
     "RDMACOMM_SECRET_FILE",
@@ -25,6 +25,8 @@ pub const VARIABLES: [&str; 24] = [
     "RDMACOMM_BIND_ADDR",
     "RDMACOMM_TIMEOUT",
     "RDMACOMM_TRANSPORT",
+    "RDMACOMM_SHM",
+    "RDMACOMM_HOST_ID",
     "RDMACOMM_IB_DEVICE",
     "RDMACOMM_IB_PORT",
     "RDMACOMM_GID_INDEX",
@@ -232,8 +234,17 @@ pub struct Config {
     /// [`DEFAULT_TCP_CHUNK`]). Received chunks are staged in a buffer of four; small, it stays
     /// in the cache.
     pub tcp_chunk: usize,
-    /// RDMA, TCP, or RDMA where usable (`RDMACOMM_TRANSPORT`).
+    /// RDMA, TCP, shared memory, or the best of them here (`RDMACOMM_TRANSPORT`).
     pub transport: crate::transport::Kind,
+    /// Whether `auto` may pick shared memory (`RDMACOMM_SHM`, 1 or 0; default 1).
+    pub shm: bool,
+    /// How many ranks the launcher started on this host (torchrun's `LOCAL_WORLD_SIZE`, Open
+    /// MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's `MPI_LOCALNRANKS`; Slurm's whole world when
+    /// `SLURM_JOB_NUM_NODES` is 1), if it says.
+    pub local_world: Option<usize>,
+    /// Which host this rank is on, for shared memory (`RDMACOMM_HOST_ID`, else the kernel's boot
+    /// id and the host name: see [`host_id`]).
+    pub host_id: String,
     /// Whether and where to pin the thread that creates the communicator (`RDMACOMM_PIN`).
     pub pin: crate::pin::Pin,
     /// The all_reduce algorithm (`RDMACOMM_ALGO`, default auto).
@@ -265,6 +276,31 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.trim()
         .parse::<T>()
         .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
+}
+
+/// This host's identity: the kernel's boot id and the host name (an IP says nothing of which
+/// ranks share memory: containers on one host have their own host names and memory files).
+pub fn host_id() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    format!(
+        "{}/{}",
+        read("/proc/sys/kernel/random/boot_id").trim(),
+        read("/proc/sys/kernel/hostname").trim()
+    )
+}
+
+/// The launcher's count of ranks on this host, if it gives one (see [`Config::local_world`]).
+fn local_world_from_env(world_size: usize) -> Result<Option<usize>> {
+    for name in [
+        "LOCAL_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS",
+    ] {
+        if let Some(v) = env(name) {
+            return parse_num(name, &v).map(Some);
+        }
+    }
+    Ok((env("SLURM_JOB_NUM_NODES").as_deref() == Some("1")).then_some(world_size))
 }
 
 fn pair(r: &str, s: &str) -> Result<Option<(usize, usize)>> {
@@ -346,7 +382,18 @@ impl Config {
             slot_bytes,
             slots,
             tcp_chunk,
-            transport: crate::transport::Kind::from_env()?,
+            transport: crate::transport::Kind::parse(
+                env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""),
+            )?,
+            shm: match env("RDMACOMM_SHM").as_deref().map(str::trim) {
+                None | Some("1") => true,
+                Some("0") => false,
+                Some(v) => {
+                    return Err(Error::Config(format!("RDMACOMM_SHM={v:?}: use 1 or 0")));
+                }
+            },
+            local_world: local_world_from_env(world_size)?,
+            host_id: env("RDMACOMM_HOST_ID").unwrap_or_else(host_id),
             pin: crate::pin::Pin::parse(&env("RDMACOMM_PIN").unwrap_or_default())?,
             algo: Algo::parse(env("RDMACOMM_ALGO").as_deref().unwrap_or("auto").trim())?,
             bcast: Bcast::parse(env("RDMACOMM_BCAST").as_deref().unwrap_or("auto").trim())?,
@@ -382,6 +429,9 @@ impl Config {
             slots: DEFAULT_SLOTS,
             tcp_chunk: DEFAULT_TCP_CHUNK,
             transport: crate::transport::Kind::Auto,
+            shm: true,
+            local_world: None,
+            host_id: host_id(),
             pin: crate::pin::Pin::Off,
             algo: Algo::Auto,
             bcast: Bcast::Auto,
@@ -392,6 +442,12 @@ impl Config {
             job_id: job_id_from_env(),
             secret: secret_from_env().ok().flatten(),
         }
+    }
+
+    /// Whether `RDMACOMM_TRANSPORT=auto` picks shared memory: allowed, and the launcher says
+    /// every rank of a world of two or more is on this host.
+    pub fn all_local(&self) -> bool {
+        self.shm && self.world_size > 1 && self.local_world == Some(self.world_size)
     }
 
     /// The settings every rank must share, as `NAME=value` words (compared at the rendezvous,

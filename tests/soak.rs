@@ -1,6 +1,6 @@
 //! Load: thousands of mixed collectives of random sizes on 4 ranks, every result checked; no
-//! leaks: communicators created and dropped repeatedly leave no file descriptors, queue pairs,
-//! memory regions, CQs or PDs behind (counted from /proc and the kernel's `rdma resource` view);
+//! leaks: communicators created and dropped repeatedly leave no file descriptors, shared-memory
+//! mappings, queue pairs, memory regions, CQs or PDs behind (counted from /proc and the kernel's `rdma resource` view);
 //! and a hot path without allocation: repeated calls with the same sizes allocate nothing
 //! (counted by `allocation-counter`'s allocator, on the calling thread).
 
@@ -13,6 +13,13 @@ use std::time::{Duration, Instant};
 fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
         .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// How many shared-memory segments this process maps (the transport's anonymous files).
+fn shm_maps() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|m| m.lines().filter(|l| l.contains("memfd:rdmacomm")).count())
         .unwrap_or(0)
 }
 
@@ -63,6 +70,7 @@ fn soak_body() {
     // Leaks: create, use and drop communicators; nothing may remain.
     let before = (
         fds(),
+        shm_maps(),
         rdma_objects("qp"),
         rdma_objects("mr"),
         rdma_objects("cq"),
@@ -85,9 +93,13 @@ fn soak_body() {
             );
             assert!(rdma_objects("mr") >= 1);
         }
+        if i == 0 && c.device().is_some_and(|d| d.starts_with("shared memory")) {
+            assert_eq!(shm_maps(), n, "our segment and each peer's are mapped");
+        }
     }
     let after = (
         fds(),
+        shm_maps(),
         rdma_objects("qp"),
         rdma_objects("mr"),
         rdma_objects("cq"),
@@ -95,9 +107,9 @@ fn soak_body() {
     );
     assert_eq!(
         before, after,
-        "rank {r}: (fds, qps, mrs, cqs, pds) before vs after 6 communicators"
+        "rank {r}: (fds, shm maps, qps, mrs, cqs, pds) before vs after 6 communicators"
     );
-    println!("rank {r}: no leaks: (fds, qp, mr, cq, pd) = {after:?} before and after");
+    println!("rank {r}: no leaks: (fds, shm, qp, mr, cq, pd) = {after:?} before and after");
 
     // Soak: the same random schedule on every rank (shared seed), every result checked.
     let c = Comm::new(&Config::new(r, n, rendezvous).unwrap()).unwrap();

@@ -608,7 +608,9 @@ fn a_restarted_rank_takes_its_place() {
     );
     assert_all_ok(&res);
     assert!(
-        res[0].output.contains("rank 1 left the rendezvous before the group formed"),
+        res[0]
+            .output
+            .contains("rank 1 left the rendezvous before the group formed"),
         "rank 0 says so: {}",
         res[0].output
     );

@@ -542,6 +542,8 @@ impl Drop for SideChannel {
 pub(crate) const TAG_RDMA: u32 = 0x4144_4d52; // "RDMA"
 /// The tag of a TCP card.
 pub(crate) const TAG_TCP: u32 = 0x2050_4354; // "TCP "
+/// Tag of a shared-memory card.
+pub(crate) const TAG_SHM: u32 = 0x204d_4853; // "SHM "
 
 /// Checks that every rank's card starts with `tag` (all ranks chose the same transport).
 pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u32) -> Result<()> {
@@ -550,6 +552,8 @@ pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u3
             "RDMA"
         } else if t == TAG_TCP {
             "TCP"
+        } else if t == TAG_SHM {
+            "shared memory"
         } else {
             "an unknown transport"
         }

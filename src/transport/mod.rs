@@ -8,6 +8,7 @@ pub mod op;
 pub mod pacer;
 pub mod rdma;
 pub mod rendezvous;
+pub mod shm;
 pub mod tcp;
 pub mod watch;
 
@@ -134,6 +135,21 @@ impl Transport for rdma::RdmaTransport {
     }
 }
 
+impl Transport for shm::ShmTransport {
+    fn health(&mut self) -> Result<()> {
+        shm::ShmTransport::health(self)
+    }
+    fn describe(&self) -> String {
+        format!("shared memory ({} ranks on this host)", self.size())
+    }
+    fn local_rank(&self) -> (usize, usize) {
+        self.watch().local_rank()
+    }
+    fn abort(&mut self, reason: String) {
+        shm::ShmTransport::abort(self, reason)
+    }
+}
+
 impl Transport for tcp::TcpTransport {
     fn health(&mut self) -> Result<()> {
         tcp::TcpTransport::health(self)
@@ -152,23 +168,28 @@ impl Transport for tcp::TcpTransport {
 /// Which transport a communicator uses (`RDMACOMM_TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// RDMA where a usable device and ACTIVE port exist, TCP otherwise (said once on stderr).
+    /// Shared memory when the launcher says every rank is on this host (and `RDMACOMM_SHM` is
+    /// not 0); otherwise RDMA where a usable device and ACTIVE port exist, TCP where not (said
+    /// once on stderr).
     Auto,
     /// RDMA only: no device is an error.
     Rdma,
     /// TCP only.
     Tcp,
+    /// Shared memory only: every rank must be on this host.
+    Shm,
 }
 
 impl Kind {
-    /// Reads `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`; default `auto`).
-    pub fn from_env() -> crate::Result<Kind> {
-        match std::env::var("RDMACOMM_TRANSPORT").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(Kind::Auto),
-            Ok("rdma") => Ok(Kind::Rdma),
-            Ok("tcp") => Ok(Kind::Tcp),
-            Ok(v) => Err(crate::Error::Config(format!(
-                "RDMACOMM_TRANSPORT={v:?}: use auto, rdma or tcp"
+    /// Parses `RDMACOMM_TRANSPORT`'s value (`auto`, `rdma`, `tcp`, `shm`; empty: `auto`).
+    pub fn parse(v: &str) -> crate::Result<Kind> {
+        match v.trim() {
+            "" | "auto" => Ok(Kind::Auto),
+            "rdma" => Ok(Kind::Rdma),
+            "tcp" => Ok(Kind::Tcp),
+            "shm" => Ok(Kind::Shm),
+            v => Err(crate::Error::Config(format!(
+                "RDMACOMM_TRANSPORT={v:?}: use auto, rdma, tcp or shm"
             ))),
         }
     }
@@ -179,7 +200,7 @@ impl Kind {
 pub fn resolves_to_rdma(kind: Kind) -> bool {
     match kind {
         Kind::Rdma => true,
-        Kind::Tcp => false,
+        Kind::Tcp | Kind::Shm => false,
         Kind::Auto => {
             match crate::verbs::list_ports() {
                 Ok(ports) if ports.iter().any(|p| p.active) => true,
@@ -208,7 +229,10 @@ pub fn connect_with(
     kind: Kind,
     meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
-    Ok(if resolves_to_rdma(kind) {
+    let shm = kind == Kind::Shm || kind == Kind::Auto && cfg.all_local();
+    Ok(if shm {
+        Box::new(shm::ShmTransport::connect_with(cfg, meet)?)
+    } else if resolves_to_rdma(kind) {
         Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)
     } else {
         Box::new(tcp::TcpTransport::connect_with(cfg, meet)?)

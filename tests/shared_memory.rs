@@ -1,0 +1,167 @@
+//! The shared-memory transport's own behaviour (the collectives, faults and trust suites also run
+//! over it: `RDMACOMM_TRANSPORT=shm` in tools/test): `auto` picks it when the launcher says every
+//! rank is on this host and `RDMACOMM_SHM=0` does not forbid it; a rank on another host is
+//! refused by name on every rank; a rank SIGKILLed during a collective is named on every
+//! survivor, and nothing is left in `/dev/shm`.
+
+mod common;
+use common::*;
+use rdmacomm::{AllReduce, Comm, Communicator, DType};
+use std::time::{Duration, Instant};
+
+/// Joins, says what it runs on, all-reduces 100 000 floats and checks them against the sum.
+fn body() {
+    let (r, n) = rank_size();
+    let c = match Comm::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("RESULT rank {r}: ERROR: {e}");
+            return;
+        }
+    };
+    println!("RESULT rank {r}: ON {}", c.device().unwrap_or_default());
+    let mut d: Vec<u8> = (0..100_000)
+        .flat_map(|i| ((r * 31 + i % 1000) as f32).to_le_bytes())
+        .collect();
+    if std::env::var("RXE_TEST_DIE").is_ok_and(|v| v == r.to_string()) {
+        // Die while the others are inside the collective (they started 300 ms ago).
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: kill(2) on this very process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let t0 = Instant::now();
+    match c.all_reduce(AllReduce::Sum, DType::f32, &mut d) {
+        Ok(()) => {
+            for (i, b) in d.chunks(4).enumerate() {
+                let want: f32 = (0..n).map(|q| (q * 31 + i % 1000) as f32).sum();
+                assert_eq!(
+                    f32::from_le_bytes(b.try_into().unwrap()),
+                    want,
+                    "element {i}"
+                );
+            }
+            println!("RESULT rank {r}: CHECKED");
+        }
+        Err(e) => println!(
+            "RESULT rank {r}: FAILED after {} ms: {e}",
+            t0.elapsed().as_millis()
+        ),
+    }
+}
+
+/// Runs `n` ranks with `env` and returns each rank's RESULT lines.
+fn run(name: &str, n: usize, env: &dyn Fn(usize) -> Vec<(String, String)>) -> Vec<String> {
+    let res = spawn(name, n, Placement::Local, env, Duration::from_secs(60));
+    res.iter()
+        .map(|x| {
+            x.output
+                .lines()
+                .filter_map(|l| l.find("RESULT").map(|at| &l[at..]))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        })
+        .collect()
+}
+
+fn vars(v: &[(&str, &str)]) -> Vec<(String, String)> {
+    v.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn auto_picks_shared_memory_when_every_rank_is_local() {
+    let name = "auto_picks_shared_memory_when_every_rank_is_local";
+    if !parent_ready(name, body) {
+        return;
+    }
+    let local = [("RDMACOMM_TRANSPORT", "auto"), ("LOCAL_WORLD_SIZE", "3")];
+    for out in run(name, 3, &|_| vars(&local)) {
+        assert!(
+            out.contains("ON shared memory") && out.contains("CHECKED"),
+            "{out}"
+        );
+    }
+    // Off by RDMACOMM_SHM=0, and where the launcher does not say every rank is here.
+    let off = [
+        ("RDMACOMM_TRANSPORT", "auto"),
+        ("LOCAL_WORLD_SIZE", "3"),
+        ("RDMACOMM_SHM", "0"),
+    ];
+    let partial = [("RDMACOMM_TRANSPORT", "auto"), ("LOCAL_WORLD_SIZE", "2")];
+    for env in [&off[..], &partial[..]] {
+        for out in run(name, 3, &|_| vars(env)) {
+            assert!(
+                !out.contains("shared memory") && out.contains("CHECKED"),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_on_another_host_is_refused_by_name() {
+    let name = "a_rank_on_another_host_is_refused_by_name";
+    if !parent_ready(name, body) {
+        return;
+    }
+    let outs = run(name, 3, &|r| {
+        let mut v = vars(&[("RDMACOMM_TRANSPORT", "shm"), ("RDMACOMM_TIMEOUT", "10")]);
+        if r == 2 {
+            v.push(("RDMACOMM_HOST_ID".into(), "elsewhere".into()));
+        }
+        v
+    });
+    for (r, out) in outs.iter().enumerate() {
+        let culprit = if r == 2 { "rank 0" } else { "rank 2" };
+        assert!(
+            out.contains("ERROR") && out.contains(culprit) && out.contains("on another host"),
+            "rank {r}: {out}"
+        );
+    }
+}
+
+/// Entries of `/dev/shm` that could be ours.
+fn dev_shm() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|f| f.contains("rdmacomm"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_rank_killed_during_a_collective_is_named_and_leaves_nothing() {
+    let name = "a_rank_killed_during_a_collective_is_named_and_leaves_nothing";
+    if !parent_ready(name, body) {
+        return;
+    }
+    let before = dev_shm();
+    let outs = run(name, 4, &|_| {
+        vars(&[
+            ("RDMACOMM_TRANSPORT", "shm"),
+            ("RDMACOMM_TIMEOUT", "20"),
+            ("RXE_TEST_DIE", "1"),
+        ])
+    });
+    for (r, out) in outs.iter().enumerate() {
+        if r == 1 {
+            continue;
+        }
+        assert!(
+            out.contains("FAILED") && out.contains("rank 1"),
+            "rank {r}: {out}"
+        );
+        let ms: u64 = out
+            .split("FAILED after ")
+            .nth(1)
+            .and_then(|t| t.split(" ms:").next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(u64::MAX);
+        assert!(ms < 2000, "rank {r} named rank 1 after {ms} ms: {out}");
+    }
+    assert_eq!(dev_shm(), before, "nothing left in /dev/shm");
+}
