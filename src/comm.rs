@@ -3,7 +3,7 @@
 use crate::api::{
     check_all_gather, check_all_reduce, check_peer, check_root, check_sum_scatter, Communicator,
 };
-use crate::collectives::{bcast, halving, p2p, ring};
+use crate::collectives::{bcast, direct, halving, p2p, ring};
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -406,7 +406,8 @@ impl Communicator for Comm {
             let mut rest = data;
             loop {
                 let (part, tail) = rest.split_at_mut(rest.len().min(slice));
-                match algo.choose(l.size(), part.len(), l.doubling_max()) {
+                match algo.choose(l.size(), part.len(), l.doubling_max(), l.shares_memory()) {
+                    Algo::Direct => direct::all_reduce_direct(l, op, dtype, part, scratch)?,
                     Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, part, scratch)?,
                     Algo::Halving => halving::all_reduce_halving(l, op, dtype, part, scratch)?,
                     _ => ring::all_reduce(l, op, dtype, part)?,

@@ -95,19 +95,20 @@ fn body() {
     }
     let big_elems = |d: DType| (16 << 20) / d.size();
     let full = std::env::var("RXE_TEST_FULL16").is_ok_and(|v| v == "1") || n == 2;
-    // all_reduce, with every algorithm (doubling only where auto would use it: small sizes)
-    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling] {
+    // all_reduce, with every algorithm (doubling and direct only up to mid sizes)
+    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
         c.set_algorithm(algo);
         for dtype in DType::ALL {
             for op in [AllReduce::Sum, other_op(dtype)] {
                 let mut lens = vec![0usize, 1, 7, 4097];
-                let big = (full && algo != Algo::Doubling)
+                let small_only = matches!(algo, Algo::Doubling | Algo::Direct);
+                let big = (full && !small_only)
                     || (algo == Algo::Ring && dtype == DType::f32 && op == AllReduce::Sum)
                     || (algo == Algo::Halving && dtype == DType::bf16 && op != AllReduce::Sum);
                 if big {
                     lens.push(big_elems(dtype));
                 }
-                if algo == Algo::Doubling && matches!(dtype, DType::f32 | DType::bf16) {
+                if small_only && matches!(dtype, DType::f32 | DType::bf16) {
                     lens.push(300_001); // many segments, the last one short
                 }
                 for &elems in &lens {
@@ -130,7 +131,7 @@ fn body() {
     // Operand order: under Min, op(+0, -0) and op(-0, +0) differ in sign; under Sum, two NaNs
     // yield the payload of one of them. Ranks that combined in different orders would end with
     // different bits, so every algorithm must combine alike everywhere.
-    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling] {
+    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
         c.set_algorithm(algo);
         for elems in [7usize, 300_001] {
             let zero = |i: usize| if (r + i) % 2 == 0 { 0.0f32 } else { -0.0 };
@@ -270,10 +271,10 @@ fn body_registered() {
     c.with_registered(&mut buf, &mut |buf| {
         c.with_registered(&mut other, &mut |other| {
             for round in 0..3 {
-                for algo in [Algo::Ring, Algo::Halving, Algo::Doubling] {
+                for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
                     c.set_algorithm(algo);
                     let mut lens = vec![1usize, 4097, 300_001];
-                    if algo != Algo::Doubling {
+                    if !matches!(algo, Algo::Doubling | Algo::Direct) {
                         lens.push((1 << 20) + 7); // 4 MiB: beyond every rank's slots
                     }
                     for elems in lens {

@@ -17,6 +17,13 @@ fn job_body() {
         let ms = std::env::var("RXE_TEST_DELAY_MS").map_or(0, |v| v.parse().unwrap());
         std::thread::sleep(Duration::from_millis(ms));
     }
+    if let Ok(gate) = std::env::var("RXE_TEST_WAIT_FILE") {
+        // Not before the test says so (bounded): the rendezvous must still be open then.
+        let t0 = Instant::now();
+        while !std::path::Path::new(&gate).exists() && t0.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     let c = match Comm::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -78,20 +85,28 @@ fn strangers_are_ignored_and_the_job_completes() {
         std::thread::sleep(Duration::from_secs(6));
         drop(idle);
     });
+    // The last real rank joins only once the other job's ranks were told (they must find the
+    // rendezvous open, however slowly their processes start).
+    let gate = std::env::temp_dir().join(format!("rdmacomm-gate-{port}"));
+    let _ = std::fs::remove_file(&gate);
     let job = |r: usize| {
-        vec![
+        let mut v = vec![
             ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
-            ("RDMACOMM_TIMEOUT".to_string(), "12".to_string()),
+            ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
             ("RDMACOMM_JOB_ID".to_string(), "ours".to_string()),
             (
                 "RXE_TEST_DELAY_MS".to_string(),
                 if r == 1 { "500" } else { "1500" }.to_string(),
             ),
-        ]
+        ];
+        if r == 2 {
+            v.push(("RXE_TEST_WAIT_FILE".into(), gate.display().to_string()));
+        }
+        v
     };
     // A rank of another job, and one of another job with another world size, on the same port.
     let other = std::thread::spawn({
-        let coord = coord.clone();
+        let (coord, gate) = (coord.clone(), gate.clone());
         move || {
             let env = |world: &str| {
                 let coord = coord.clone();
@@ -120,6 +135,7 @@ fn strangers_are_ignored_and_the_job_completes() {
                 &env("5"),
                 Duration::from_secs(60),
             );
+            std::fs::write(&gate, b"go").unwrap();
             (a, b)
         }
     });
@@ -127,6 +143,7 @@ fn strangers_are_ignored_and_the_job_completes() {
     let res = spawn(name, 3, Placement::Local, &job, Duration::from_secs(60));
     strangers.join().unwrap();
     let (a, b) = other.join().unwrap();
+    let _ = std::fs::remove_file(&gate);
     assert_all_ok(&res);
     for x in &res {
         assert!(x.output.contains("JOINED and checked"), "{}", x.output);

@@ -78,7 +78,7 @@ fn parse() -> Result<Opts, String> {
                 println!(
                     "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-R 0|1] \
                      [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
-                     [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast] [--algo ring|halving|doubling|auto]"
+                     [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast] [--algo ring|halving|doubling|direct|auto]"
                 );
                 std::process::exit(0);
             }

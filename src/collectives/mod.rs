@@ -1,6 +1,7 @@
 //! Collective algorithms over a [`crate::transport::Link`]; they know nothing of RDMA.
 
 pub mod bcast;
+pub mod direct;
 pub mod halving;
 pub mod p2p;
 pub mod ring;
@@ -18,13 +19,20 @@ pub enum Algo {
     Halving,
     /// Recursive doubling of the whole vector: log2(n) steps, for small messages.
     Doubling,
-    /// Chosen by size and world size (see [`Algo::choose`]).
+    /// Chosen by size, world size and link (see [`Algo::choose`]).
     Auto,
+    /// One step: every rank sends its whole vector to every other ([`direct`]).
+    Direct,
 }
 
 /// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
 /// the link says otherwise ([`crate::transport::Link::doubling_max`]).
 pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
+
+/// all_reduce buffers up to this many bytes take one step ([`Algo::Direct`]) under
+/// [`Algo::Auto`] where peers share memory ([`crate::transport::Link::shares_memory`]): one
+/// copy to each peer costs less there than waiting on log2(n) dependent steps.
+pub const DIRECT_MAX_BYTES: usize = 4 << 10;
 
 impl Algo {
     /// This setting as a number (its position in [`crate::transport::op::ALL_REDUCE_ALGOS`]).
@@ -32,16 +40,17 @@ impl Algo {
         self as u8
     }
 
-    /// Parses `ring`, `halving`, `doubling` or `auto`.
+    /// Parses `ring`, `halving`, `doubling`, `direct` or `auto`.
     pub fn parse(s: &str) -> Result<Algo> {
         Ok(match s {
             "ring" => Algo::Ring,
             "halving" | "rabenseifner" => Algo::Halving,
             "doubling" => Algo::Doubling,
+            "direct" => Algo::Direct,
             "auto" => Algo::Auto,
             _ => {
                 return Err(Error::Config(format!(
-                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling or auto"
+                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling, direct or auto"
                 )))
             }
         })
@@ -49,11 +58,13 @@ impl Algo {
 
     /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
     /// recursive doubling wins up to `doubling_max` bytes
-    /// ([`crate::transport::Link::doubling_max`]): doubling up
-    /// to there, then halving-doubling, and the ring for non-powers of two (whose fold doubles
-    /// the traffic of two ranks).
-    pub fn choose(self, n: usize, bytes: usize, doubling_max: usize) -> Algo {
+    /// ([`crate::transport::Link::doubling_max`]) and whose peers share memory or not
+    /// (`shared`): one step up to [`DIRECT_MAX_BYTES`] where they share it, doubling up to
+    /// `doubling_max`, then halving-doubling, and the ring for non-powers of two (whose fold
+    /// doubles the traffic of two ranks).
+    pub fn choose(self, n: usize, bytes: usize, doubling_max: usize, shared: bool) -> Algo {
         match self {
+            Algo::Auto if shared && n > 2 && bytes <= DIRECT_MAX_BYTES => Algo::Direct,
             Algo::Auto if bytes <= doubling_max => Algo::Doubling,
             Algo::Auto if n.is_power_of_two() => Algo::Halving,
             Algo::Auto => Algo::Ring,
@@ -96,4 +107,54 @@ pub(crate) fn land(
         None => crate::copy::copy(dst, src),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::op::ALL_REDUCE_ALGOS;
+
+    #[test]
+    fn auto_chooses_by_size_world_and_link() {
+        let auto = Algo::Auto;
+        let d = DOUBLING_MAX_BYTES;
+        assert_eq!(auto.choose(4, DIRECT_MAX_BYTES, d, true), Algo::Direct);
+        assert_eq!(
+            auto.choose(4, DIRECT_MAX_BYTES + 1, d, true),
+            Algo::Doubling
+        );
+        assert_eq!(
+            auto.choose(2, 8, d, true),
+            Algo::Doubling,
+            "two ranks: one exchange"
+        );
+        assert_eq!(
+            auto.choose(4, 8, d, false),
+            Algo::Doubling,
+            "not over a network"
+        );
+        assert_eq!(auto.choose(4, d + 1, d, false), Algo::Halving);
+        assert_eq!(auto.choose(3, d + 1, d, true), Algo::Ring);
+        assert_eq!(auto.choose(2, 256 << 10, 256 << 10, false), Algo::Doubling);
+        for forced in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
+            assert_eq!(forced.choose(4, 8, usize::MAX, true), forced);
+        }
+    }
+
+    #[test]
+    fn names_parse_and_match_the_wire_table() {
+        for (name, algo) in [
+            ("ring", Algo::Ring),
+            ("halving", Algo::Halving),
+            ("doubling", Algo::Doubling),
+            ("auto", Algo::Auto),
+            ("direct", Algo::Direct),
+        ] {
+            assert_eq!(Algo::parse(name).unwrap(), algo);
+            assert_eq!(ALL_REDUCE_ALGOS[algo.code() as usize], name);
+        }
+        assert_eq!(Algo::parse("rabenseifner").unwrap(), Algo::Halving);
+        let e = Algo::parse("fastest").unwrap_err().to_string();
+        assert!(e.contains("direct") && e.contains("ring"), "{e}");
+    }
 }

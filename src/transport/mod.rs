@@ -39,6 +39,11 @@ pub trait Link {
     fn slice_bytes(&self) -> usize {
         usize::MAX
     }
+    /// Whether every peer is reached through memory this rank maps (shared memory): a copy to
+    /// a peer then costs about what a local copy does.
+    fn shares_memory(&self) -> bool {
+        false
+    }
     /// Whether a collective should try a take after every post instead of posting while it
     /// can: true where taking returns the credits a peer's next posts wait for (RDMA).
     fn take_between_posts(&self) -> bool {

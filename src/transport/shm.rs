@@ -321,6 +321,10 @@ impl Link for ShmTransport {
         CHUNK
     }
 
+    fn shares_memory(&self) -> bool {
+        true
+    }
+
     fn take_between_posts(&self) -> bool {
         // A take frees the peer's slot at once: its next post may be waiting for it.
         true
