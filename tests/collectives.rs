@@ -96,9 +96,16 @@ fn body() {
     let big_elems = |d: DType| (16 << 20) / d.size();
     let full = std::env::var("RXE_TEST_FULL16").is_ok_and(|v| v == "1") || n == 2;
     // all_reduce, with every algorithm (doubling and direct only up to mid sizes)
+    // The one-step algorithm runs over RDMA only when forced: there f32 alone (every dtype on
+    // the host, over TCP and shared memory, where it is also auto's choice), to keep the VM
+    // stage's time.
+    let over_rdma = c.device().is_some_and(|d| d.starts_with("RDMA"));
     for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
         c.set_algorithm(algo);
         for dtype in DType::ALL {
+            if algo == Algo::Direct && over_rdma && dtype != DType::f32 {
+                continue;
+            }
             for op in [AllReduce::Sum, other_op(dtype)] {
                 let mut lens = vec![0usize, 1, 7, 4097];
                 let small_only = matches!(algo, Algo::Doubling | Algo::Direct);

@@ -19,6 +19,25 @@ pub fn oversubscribed(addrs: &[String], rank: usize) -> bool {
     local > cores
 }
 
+/// The pacer a `poll` setting asks for: with `auto`, spin for `spin` (not at all when more local
+/// ranks than cores share the host: `crowded`), then yield until `yield_until` of idleness, then
+/// back off; `spin` never stops spinning; `yield` never spins.
+pub fn for_setting(
+    poll: crate::config::Poll,
+    timeout: Duration,
+    crowded: bool,
+    spin: Duration,
+    yield_until: Duration,
+) -> Pacer {
+    use crate::config::Poll;
+    match poll {
+        Poll::Spin => Pacer::new(timeout, Duration::MAX, Duration::MAX),
+        Poll::Yield => Pacer::new(timeout, Duration::ZERO, yield_until),
+        Poll::Auto if crowded => Pacer::new(timeout, Duration::ZERO, yield_until),
+        Poll::Auto => Pacer::new(timeout, spin, yield_until),
+    }
+}
+
 /// What a waiting transport should do after a poll that found nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wait {

@@ -35,12 +35,12 @@
 //!   against WRITE_WITH_IMM): 8 B on lo-rxe 38.5 -> 34.2, 37.9 -> 31.5, 31.7 -> 30.2 us in
 //!   three boots (8-32 B 2-17% faster), on veth 4-9% faster (one boot).
 
-use crate::config::{Config, Poll};
+use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{check_tags, Reader, TAG_RDMA};
 use crate::transport::mailbox::{self, ENTRY};
 use crate::transport::op::{self, OpDesc, OpKind, Scope};
-use crate::transport::pacer::{oversubscribed, Pacer, Wait};
+use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::watch::Watch;
 use crate::transport::{copy_chunk, Link};
@@ -349,14 +349,8 @@ impl RdmaTransport {
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
         // than cores), yield up to 2 ms, then nap 50 us at a time: no core burnt on a long
         // wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
-        let pacer = match cfg.poll {
-            Poll::Spin => Pacer::new(cfg.timeout, Duration::MAX, Duration::MAX),
-            Poll::Yield => Pacer::new(cfg.timeout, Duration::ZERO, YIELD),
-            Poll::Auto if oversubscribed(&rv.addrs, cfg.rank) => {
-                Pacer::new(cfg.timeout, Duration::ZERO, YIELD)
-            }
-            Poll::Auto => Pacer::new(cfg.timeout, SPIN, YIELD),
-        };
+        let crowded = oversubscribed(&rv.addrs, cfg.rank);
+        let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
         let zc_min = cfg.zero_copy_min;
         Ok(RdmaTransport {
             peers,

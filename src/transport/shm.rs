@@ -13,11 +13,11 @@
 //! the processes end. Failures travel on the side channel as with the other
 //! transports (a dead process closes its connection).
 
-use crate::config::{Config, Poll};
+use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{check_tags, Reader, TAG_SHM};
 use crate::transport::op::{self, OpDesc, OpKind, Scope};
-use crate::transport::pacer::{oversubscribed, Pacer, Wait};
+use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
@@ -255,14 +255,8 @@ impl ShmTransport {
         side.barrier()?;
         mine.close();
         side.set_async()?;
-        let pacer = match cfg.poll {
-            Poll::Spin => Pacer::new(cfg.timeout, Duration::MAX, Duration::MAX),
-            Poll::Yield => Pacer::new(cfg.timeout, Duration::ZERO, YIELD),
-            Poll::Auto if oversubscribed(&rv.addrs, cfg.rank) => {
-                Pacer::new(cfg.timeout, Duration::ZERO, YIELD)
-            }
-            Poll::Auto => Pacer::new(cfg.timeout, SPIN, YIELD),
-        };
+        let crowded = oversubscribed(&rv.addrs, cfg.rank);
+        let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
         let state = (0..n)
             .map(|_| PeerState {
                 seq_out: u64::MAX,
