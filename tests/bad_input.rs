@@ -207,7 +207,9 @@ fn length_mismatch_between_ranks_is_named() {
             &|_| {
                 vec![
                     ("MISMATCH_CASE".into(), what.into()),
-                    ("RDMACOMM_TIMEOUT".into(), "5".into()),
+                    // The mismatch is found at once; the timeout only bounds a regression
+                    // (and must leave a slow emulated machine time to start both ranks).
+                    ("RDMACOMM_TIMEOUT".into(), "20".into()),
                 ]
             },
             std::time::Duration::from_secs(60),
