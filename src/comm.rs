@@ -3,7 +3,7 @@
 use crate::api::{
     check_all_gather, check_all_reduce, check_peer, check_root, check_sum_scatter, Communicator,
 };
-use crate::collectives::{bcast, direct, halving, p2p, ring};
+use crate::collectives::{bcast, direct, halving, hier, p2p, ring};
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -406,7 +406,15 @@ impl Communicator for Comm {
             let mut rest = data;
             loop {
                 let (part, tail) = rest.split_at_mut(rest.len().min(slice));
-                match algo.choose(l.size(), part.len(), l.doubling_max(), l.shares_memory()) {
+                // Every rank has the same host map where it is regular (no rank is alone on
+                // its host there), so every rank makes the same choice.
+                let layered = l
+                    .hosts()
+                    .is_some_and(|h| hier::Layout::of(h, l.rank()).is_some());
+                let (n, len, dmax, shared) =
+                    (l.size(), part.len(), l.doubling_max(), l.shares_memory());
+                match algo.choose(n, len, dmax, shared, layered) {
+                    Algo::Hierarchical => hier::all_reduce(l, op, dtype, part, scratch)?,
                     Algo::Direct => direct::all_reduce_direct(l, op, dtype, part, scratch)?,
                     Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, part, scratch)?,
                     Algo::Halving => halving::all_reduce_halving(l, op, dtype, part, scratch)?,

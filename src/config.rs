@@ -236,8 +236,9 @@ pub struct Config {
     pub tcp_chunk: usize,
     /// RDMA, TCP, shared memory, or the best of them here (`RDMACOMM_TRANSPORT`).
     pub transport: crate::transport::Kind,
-    /// Whether `auto` may pick shared memory (`RDMACOMM_SHM`, 1 or 0; default 1).
-    pub shm: bool,
+    /// `RDMACOMM_SHM`: `Some(false)` (0) never uses shared memory; `Some(true)` (1) uses it for
+    /// same-host peers whatever the transport; unset (`None`), only `auto` does.
+    pub shm: Option<bool>,
     /// How many ranks the launcher started on this host (torchrun's `LOCAL_WORLD_SIZE`, Open
     /// MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's `MPI_LOCALNRANKS`; Slurm's whole world when
     /// `SLURM_JOB_NUM_NODES` is 1), if it says.
@@ -278,12 +279,19 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
         .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
 }
 
-/// This host's identity: the kernel's boot id and the host name (an IP says nothing of which
-/// ranks share memory: containers on one host have their own host names and memory files).
+/// This host's identity, as far as shared memory goes: the kernel's boot id, the host name, the
+/// PID namespace and the user (an IP says nothing of which ranks share memory; a peer's memory
+/// file opens only in its PID namespace and for its user, so containers that share a host name
+/// and boot id but not a PID namespace are different hosts here).
 pub fn host_id() -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let pid_ns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|l| l.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
     format!(
-        "{}/{}",
+        "{}/{}/{pid_ns}/uid {uid}",
         read("/proc/sys/kernel/random/boot_id").trim(),
         read("/proc/sys/kernel/hostname").trim()
     )
@@ -386,8 +394,9 @@ impl Config {
                 env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""),
             )?,
             shm: match env("RDMACOMM_SHM").as_deref().map(str::trim) {
-                None | Some("1") => true,
-                Some("0") => false,
+                None => None,
+                Some("1") => Some(true),
+                Some("0") => Some(false),
                 Some(v) => {
                     return Err(Error::Config(format!("RDMACOMM_SHM={v:?}: use 1 or 0")));
                 }
@@ -429,7 +438,7 @@ impl Config {
             slots: DEFAULT_SLOTS,
             tcp_chunk: DEFAULT_TCP_CHUNK,
             transport: crate::transport::Kind::Auto,
-            shm: true,
+            shm: None,
             local_world: None,
             host_id: host_id(),
             pin: crate::pin::Pin::Off,
@@ -447,7 +456,16 @@ impl Config {
     /// Whether `RDMACOMM_TRANSPORT=auto` picks shared memory: allowed, and the launcher says
     /// every rank of a world of two or more is on this host.
     pub fn all_local(&self) -> bool {
-        self.shm && self.world_size > 1 && self.local_world == Some(self.world_size)
+        self.shm != Some(false) && self.world_size > 1 && self.local_world == Some(self.world_size)
+    }
+
+    /// Whether a network transport reaches the peers on this host through shared memory:
+    /// under `RDMACOMM_TRANSPORT=auto` unless `RDMACOMM_SHM=0`, else only with `RDMACOMM_SHM=1`.
+    pub fn shm_for_peers(&self) -> bool {
+        match self.shm {
+            Some(yes) => yes,
+            None => self.transport == crate::transport::Kind::Auto,
+        }
     }
 
     /// The settings every rank must share, as `NAME=value` words (compared at the rendezvous,

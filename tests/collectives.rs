@@ -24,6 +24,27 @@ fn same_everywhere(c: &Comm, what: &str, data: &[u8]) {
     }
 }
 
+/// The all_reduce algorithms to run (alike on every rank): the flat ones, and the hierarchical
+/// one where ranks are grouped into hosts (`RXE_TEST_RANKS_PER_HOST`; it runs flat where the
+/// layout is not regular). With 2 ranks on each of 2 or 4 hosts, the layout must be seen.
+fn algos(c: &Comm) -> Vec<Algo> {
+    let mut v = vec![Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct];
+    let per_host = std::env::var("RXE_TEST_RANKS_PER_HOST").ok();
+    if per_host.is_some() {
+        v.push(Algo::Hierarchical);
+    }
+    let dev = c.device().unwrap_or_default();
+    if per_host.as_deref() == Some("2") && c.size() % 2 == 0 && c.size() >= 4 {
+        let want = format!("{} hosts of 2 ranks", c.size() / 2);
+        assert!(
+            dev.contains(&want),
+            "rank {}: {dev:?} lacks {want:?}",
+            c.rank()
+        );
+    }
+    v
+}
+
 fn other_op(dtype: DType) -> AllReduce {
     match dtype {
         DType::f32 | DType::i8 | DType::u32 => AllReduce::Prod,
@@ -100,7 +121,7 @@ fn body() {
     // the host, over TCP and shared memory, where it is also auto's choice), to keep the VM
     // stage's time.
     let over_rdma = c.device().is_some_and(|d| d.starts_with("RDMA"));
-    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
+    for algo in algos(&c) {
         c.set_algorithm(algo);
         for dtype in DType::ALL {
             if algo == Algo::Direct && over_rdma && dtype != DType::f32 {
@@ -111,6 +132,7 @@ fn body() {
                 let small_only = matches!(algo, Algo::Doubling | Algo::Direct);
                 let big = (full && !small_only)
                     || (algo == Algo::Ring && dtype == DType::f32 && op == AllReduce::Sum)
+                    || (algo == Algo::Hierarchical && dtype == DType::f64 && op == AllReduce::Sum)
                     || (algo == Algo::Halving && dtype == DType::bf16 && op != AllReduce::Sum);
                 if big {
                     lens.push(big_elems(dtype));
@@ -138,7 +160,7 @@ fn body() {
     // Operand order: under Min, op(+0, -0) and op(-0, +0) differ in sign; under Sum, two NaNs
     // yield the payload of one of them. Ranks that combined in different orders would end with
     // different bits, so every algorithm must combine alike everywhere.
-    for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
+    for algo in algos(&c) {
         c.set_algorithm(algo);
         for elems in [7usize, 300_001] {
             let zero = |i: usize| if (r + i) % 2 == 0 { 0.0f32 } else { -0.0 };
@@ -278,7 +300,7 @@ fn body_registered() {
     c.with_registered(&mut buf, &mut |buf| {
         c.with_registered(&mut other, &mut |other| {
             for round in 0..3 {
-                for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
+                for algo in algos(&c) {
                     c.set_algorithm(algo);
                     let mut lens = vec![1usize, 4097, 300_001];
                     if !matches!(algo, Algo::Doubling | Algo::Direct) {

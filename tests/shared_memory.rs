@@ -82,14 +82,15 @@ fn auto_picks_shared_memory_when_every_rank_is_local() {
             "{out}"
         );
     }
-    // Off by RDMACOMM_SHM=0, and where the launcher does not say every rank is here.
+    // Off by RDMACOMM_SHM=0, and with an explicit network transport.
     let off = [
         ("RDMACOMM_TRANSPORT", "auto"),
         ("LOCAL_WORLD_SIZE", "3"),
         ("RDMACOMM_SHM", "0"),
     ];
-    let partial = [("RDMACOMM_TRANSPORT", "auto"), ("LOCAL_WORLD_SIZE", "2")];
-    for env in [&off[..], &partial[..]] {
+    let net = if require_rdma() { "rdma" } else { "tcp" };
+    let explicit = [("RDMACOMM_TRANSPORT", net)];
+    for env in [&off[..], &explicit[..]] {
         for out in run(name, 3, &|_| vars(env)) {
             assert!(
                 !out.contains("shared memory") && out.contains("CHECKED"),
@@ -97,6 +98,120 @@ fn auto_picks_shared_memory_when_every_rank_is_local() {
             );
         }
     }
+    // Where the launcher does not say every rank is here: the network transport, with shared
+    // memory to the peers found on this host at the rendezvous.
+    let partial = [("RDMACOMM_TRANSPORT", "auto"), ("LOCAL_WORLD_SIZE", "2")];
+    for out in run(name, 3, &|_| vars(&partial)) {
+        assert!(
+            out.contains("shared memory to 2 same-host peers") && out.contains("CHECKED"),
+            "{out}"
+        );
+    }
+}
+
+/// Runs `hosts[r]` as rank r's host identity over the network transport (RDMA in the VM, on
+/// hosts of their own there; TCP here) with shared memory to same-host peers, and returns each
+/// rank's RESULT lines.
+fn run_on_hosts(name: &str, hosts: &[&str], extra: &[(&str, &str)]) -> Vec<String> {
+    let net = if require_rdma() { "rdma" } else { "tcp" };
+    let placement = if vm_hosts() > 0 {
+        Placement::Hosts
+    } else {
+        Placement::Local
+    };
+    let env = |r: usize| {
+        let mut v = vars(&[("RDMACOMM_TRANSPORT", net), ("RDMACOMM_SHM", "1")]);
+        v.extend(vars(extra));
+        v.push(("RDMACOMM_HOST_ID".into(), hosts[r].into()));
+        v
+    };
+    let res = spawn(name, hosts.len(), placement, &env, Duration::from_secs(90));
+    res.iter()
+        .map(|x| {
+            x.output
+                .lines()
+                .filter_map(|l| l.find("RESULT").map(|at| &l[at..]))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        })
+        .collect()
+}
+
+#[test]
+fn same_host_peers_take_shared_memory_and_the_others_the_network() {
+    let name = "same_host_peers_take_shared_memory_and_the_others_the_network";
+    if !parent_ready(name, body) {
+        return;
+    }
+    // Two hosts of two ranks, and three hosts of 1, 2 and 1.
+    for hosts in [&["a", "a", "b", "b"][..], &["a", "b", "b", "c"][..]] {
+        let outs = run_on_hosts(name, hosts, &[]);
+        for (r, out) in outs.iter().enumerate() {
+            let mates = hosts.iter().filter(|h| **h == hosts[r]).count() - 1;
+            if mates == 0 {
+                assert!(!out.contains("shared memory"), "rank {r}: {out}");
+            } else {
+                let s = if mates == 1 { "" } else { "s" };
+                let says = format!("shared memory to {mates} same-host peer{s}");
+                assert!(out.contains(&says), "rank {r} of {hosts:?}: {out}");
+            }
+            assert!(out.contains("CHECKED"), "rank {r} of {hosts:?}: {out}");
+        }
+    }
+}
+
+#[test]
+fn a_rank_without_shared_memory_is_named_by_every_rank() {
+    let name = "a_rank_without_shared_memory_is_named_by_every_rank";
+    if !parent_ready(name, body) {
+        return;
+    }
+    let net = if require_rdma() { "rdma" } else { "tcp" };
+    let outs = run(name, 3, &|r| {
+        let shm = if r == 1 { "0" } else { "1" };
+        vars(&[
+            ("RDMACOMM_TRANSPORT", net),
+            ("RDMACOMM_SHM", shm),
+            ("RDMACOMM_TIMEOUT", "10"),
+        ])
+    });
+    for (r, out) in outs.iter().enumerate() {
+        assert!(
+            out.contains("ERROR") && out.contains("RDMACOMM_SHM"),
+            "rank {r}: {out}"
+        );
+        if r != 1 {
+            assert!(out.contains("rank 1"), "rank {r}: {out}");
+        }
+    }
+}
+
+#[test]
+fn a_same_host_rank_killed_beside_a_network_is_named_on_every_host() {
+    let name = "a_same_host_rank_killed_beside_a_network_is_named_on_every_host";
+    if !parent_ready(name, body) {
+        return;
+    }
+    let before = dev_shm();
+    let die = [("RDMACOMM_TIMEOUT", "20"), ("RXE_TEST_DIE", "1")];
+    let outs = run_on_hosts(name, &["a", "a", "b", "b"], &die);
+    for (r, out) in outs.iter().enumerate() {
+        if r == 1 {
+            continue;
+        }
+        assert!(
+            out.contains("FAILED") && out.contains("rank 1"),
+            "rank {r}: {out}"
+        );
+        let ms: u64 = out
+            .split("FAILED after ")
+            .nth(1)
+            .and_then(|t| t.split(" ms:").next())
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(u64::MAX);
+        assert!(ms < 2000, "rank {r} named rank 1 after {ms} ms: {out}");
+    }
+    assert_eq!(dev_shm(), before, "nothing left in /dev/shm");
 }
 
 #[test]

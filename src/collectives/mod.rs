@@ -3,6 +3,7 @@
 pub mod bcast;
 pub mod direct;
 pub mod halving;
+pub mod hier;
 pub mod p2p;
 pub mod ring;
 
@@ -23,6 +24,9 @@ pub enum Algo {
     Auto,
     /// One step: every rank sends its whole vector to every other ([`direct`]).
     Direct,
+    /// Within each host over shared memory, then across hosts ([`hier`]): where the link's
+    /// hosts form a regular layout ([`hier::Layout`]); elsewhere as [`Algo::Auto`] flat.
+    Hierarchical,
 }
 
 /// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
@@ -47,10 +51,12 @@ impl Algo {
             "halving" | "rabenseifner" => Algo::Halving,
             "doubling" => Algo::Doubling,
             "direct" => Algo::Direct,
+            "hierarchical" => Algo::Hierarchical,
             "auto" => Algo::Auto,
             _ => {
                 return Err(Error::Config(format!(
-                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling, direct or auto"
+                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling, direct, hierarchical or \
+                     auto"
                 )))
             }
         })
@@ -60,12 +66,21 @@ impl Algo {
     /// recursive doubling wins up to `doubling_max` bytes
     /// ([`crate::transport::Link::doubling_max`]) and whose peers share memory or not
     /// (`shared`): one step up to [`DIRECT_MAX_BYTES`] where they share it, doubling up to
-    /// `doubling_max`, then halving-doubling, and the ring for non-powers of two (whose fold
-    /// doubles the traffic of two ranks).
-    pub fn choose(self, n: usize, bytes: usize, doubling_max: usize, shared: bool) -> Algo {
+    /// `doubling_max`, then hierarchical where the link's hosts form a regular layout
+    /// (`layered`, [`hier::Layout`]), else halving-doubling, and the ring for non-powers of two
+    /// (whose fold doubles the traffic of two ranks).
+    pub fn choose(
+        self,
+        n: usize,
+        bytes: usize,
+        doubling_max: usize,
+        shared: bool,
+        layered: bool,
+    ) -> Algo {
         match self {
             Algo::Auto if shared && n > 2 && bytes <= DIRECT_MAX_BYTES => Algo::Direct,
             Algo::Auto if bytes <= doubling_max => Algo::Doubling,
+            Algo::Auto if layered => Algo::Hierarchical,
             Algo::Auto if n.is_power_of_two() => Algo::Halving,
             Algo::Auto => Algo::Ring,
             a => a,
@@ -118,26 +133,44 @@ mod tests {
     fn auto_chooses_by_size_world_and_link() {
         let auto = Algo::Auto;
         let d = DOUBLING_MAX_BYTES;
-        assert_eq!(auto.choose(4, DIRECT_MAX_BYTES, d, true), Algo::Direct);
         assert_eq!(
-            auto.choose(4, DIRECT_MAX_BYTES + 1, d, true),
+            auto.choose(4, DIRECT_MAX_BYTES, d, true, false),
+            Algo::Direct
+        );
+        assert_eq!(
+            auto.choose(4, DIRECT_MAX_BYTES + 1, d, true, false),
             Algo::Doubling
         );
         assert_eq!(
-            auto.choose(2, 8, d, true),
+            auto.choose(2, 8, d, true, false),
             Algo::Doubling,
             "two ranks: one exchange"
         );
         assert_eq!(
-            auto.choose(4, 8, d, false),
+            auto.choose(4, 8, d, false, false),
             Algo::Doubling,
             "not over a network"
         );
-        assert_eq!(auto.choose(4, d + 1, d, false), Algo::Halving);
-        assert_eq!(auto.choose(3, d + 1, d, true), Algo::Ring);
-        assert_eq!(auto.choose(2, 256 << 10, 256 << 10, false), Algo::Doubling);
-        for forced in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
-            assert_eq!(forced.choose(4, 8, usize::MAX, true), forced);
+        assert_eq!(auto.choose(4, d + 1, d, false, false), Algo::Halving);
+        assert_eq!(auto.choose(3, d + 1, d, true, false), Algo::Ring);
+        assert_eq!(
+            auto.choose(2, 256 << 10, 256 << 10, false, false),
+            Algo::Doubling
+        );
+        assert_eq!(auto.choose(4, 8, d, false, true), Algo::Doubling);
+        assert_eq!(
+            auto.choose(4, d + 1, d, false, true),
+            Algo::Hierarchical,
+            "hosts of several ranks, past the doubling range"
+        );
+        for forced in [
+            Algo::Ring,
+            Algo::Halving,
+            Algo::Doubling,
+            Algo::Direct,
+            Algo::Hierarchical,
+        ] {
+            assert_eq!(forced.choose(4, 8, usize::MAX, true, true), forced);
         }
     }
 
@@ -149,12 +182,16 @@ mod tests {
             ("doubling", Algo::Doubling),
             ("auto", Algo::Auto),
             ("direct", Algo::Direct),
+            ("hierarchical", Algo::Hierarchical),
         ] {
             assert_eq!(Algo::parse(name).unwrap(), algo);
             assert_eq!(ALL_REDUCE_ALGOS[algo.code() as usize], name);
         }
         assert_eq!(Algo::parse("rabenseifner").unwrap(), Algo::Halving);
         let e = Algo::parse("fastest").unwrap_err().to_string();
-        assert!(e.contains("direct") && e.contains("ring"), "{e}");
+        assert!(
+            e.contains("direct") && e.contains("ring") && e.contains("hierarchical"),
+            "{e}"
+        );
     }
 }

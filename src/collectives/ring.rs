@@ -158,6 +158,40 @@ pub fn reduce_scatter(
     run(link, data, &plan)
 }
 
+/// Reduce-scatter in place over `data` cut as `parts` (one part per rank): afterwards part
+/// `rank` holds the reduction of every rank's part `rank`.
+pub(crate) fn reduce_scatter_in(
+    link: &mut dyn Link,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+    parts: Chunks,
+) -> Result<()> {
+    let n = link.size();
+    let plan = Plan {
+        chunks: parts,
+        reduce_steps: n - 1,
+        steps: n - 1,
+        shift: n - 1,
+        op: Some((op, dtype)),
+        esize: dtype.size(),
+    };
+    run(link, data, &plan)
+}
+
+/// All-gather in place over `data` cut as `parts`, part `rank` filled by the caller.
+pub(crate) fn all_gather_in(link: &mut dyn Link, data: &mut [u8], parts: Chunks) -> Result<()> {
+    let plan = Plan {
+        chunks: parts,
+        reduce_steps: 0,
+        steps: link.size() - 1,
+        shift: 0,
+        op: None,
+        esize: parts.esize,
+    };
+    run(link, data, &plan)
+}
+
 /// All-gather in place: `data` has `size` equal chunks, chunk `rank` filled by the caller.
 pub fn all_gather(link: &mut dyn Link, data: &mut [u8]) -> Result<()> {
     let n = link.size();

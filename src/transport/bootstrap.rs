@@ -544,6 +544,9 @@ pub(crate) const TAG_RDMA: u32 = 0x4144_4d52; // "RDMA"
 pub(crate) const TAG_TCP: u32 = 0x2050_4354; // "TCP "
 /// Tag of a shared-memory card.
 pub(crate) const TAG_SHM: u32 = 0x204d_4853; // "SHM "
+/// Tag of the prefix a network transport's card carries (shared memory to same-host peers or
+/// not), ahead of its own tag.
+pub(crate) const TAG_HYBRID: u32 = 0x4e54_454e; // "NETN"
 
 /// Checks that every rank's card starts with `tag` (all ranks chose the same transport).
 pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u32) -> Result<()> {
@@ -554,6 +557,8 @@ pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u3
             "TCP"
         } else if t == TAG_SHM {
             "shared memory"
+        } else if t == TAG_HYBRID {
+            "RDMA or TCP with shared memory to same-host peers (RDMACOMM_SHM)"
         } else {
             "an unknown transport"
         }

@@ -3,11 +3,13 @@
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
 pub mod bootstrap;
+pub mod hybrid;
 pub mod mailbox;
 pub mod op;
 pub mod pacer;
 pub mod rdma;
 pub mod rendezvous;
+pub mod rings;
 pub mod shm;
 pub mod tcp;
 pub mod watch;
@@ -43,6 +45,12 @@ pub trait Link {
     /// a peer then costs about what a local copy does.
     fn shares_memory(&self) -> bool {
         false
+    }
+    /// Every rank's host (numbered from 0), where this link reaches the peers on its host
+    /// through shared memory and some peers through a network: the facts a hierarchical
+    /// algorithm needs. `None` where all peers are reached alike.
+    fn hosts(&self) -> Option<&[usize]> {
+        None
     }
     /// Whether a collective should try a take after every post instead of posting while it
     /// can: true where taking returns the credits a peer's next posts wait for (RDMA).
@@ -123,6 +131,13 @@ pub trait Transport: Link + Send {
     /// Records that this rank failed (`reason`) and tells every peer, whose operations then
     /// fail naming this rank.
     fn abort(&mut self, reason: String);
+    /// The side channel and failure record.
+    fn watch_mut(&mut self) -> &mut watch::Watch;
+    /// Moves what can move now and reads the side channel, without waiting: whether anything
+    /// happened.
+    fn poll_now(&mut self) -> Result<bool>;
+    /// Something outside this transport moved (its no-progress clock restarts).
+    fn note_progress(&mut self);
 }
 
 impl Transport for rdma::RdmaTransport {
@@ -137,6 +152,15 @@ impl Transport for rdma::RdmaTransport {
     }
     fn abort(&mut self, reason: String) {
         rdma::RdmaTransport::abort(self, reason)
+    }
+    fn watch_mut(&mut self) -> &mut watch::Watch {
+        rdma::RdmaTransport::watch_mut(self)
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        rdma::RdmaTransport::poll_now(self)
+    }
+    fn note_progress(&mut self) {
+        rdma::RdmaTransport::note_progress(self)
     }
 }
 
@@ -153,6 +177,15 @@ impl Transport for shm::ShmTransport {
     fn abort(&mut self, reason: String) {
         shm::ShmTransport::abort(self, reason)
     }
+    fn watch_mut(&mut self) -> &mut watch::Watch {
+        shm::ShmTransport::watch_mut(self)
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        // Nothing to move: posts land in the peer's memory at once.
+        self.watch_mut().poll_sometimes()?;
+        Ok(false)
+    }
+    fn note_progress(&mut self) {}
 }
 
 impl Transport for tcp::TcpTransport {
@@ -168,18 +201,27 @@ impl Transport for tcp::TcpTransport {
     fn abort(&mut self, reason: String) {
         tcp::TcpTransport::abort(self, reason)
     }
+    fn watch_mut(&mut self) -> &mut watch::Watch {
+        tcp::TcpTransport::watch_mut(self)
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        tcp::TcpTransport::poll_now(self)
+    }
+    fn note_progress(&mut self) {
+        tcp::TcpTransport::note_progress(self)
+    }
 }
 
 /// Which transport a communicator uses (`RDMACOMM_TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// Shared memory when the launcher says every rank is on this host (and `RDMACOMM_SHM` is
-    /// not 0); otherwise RDMA where a usable device and ACTIVE port exist, TCP where not (said
-    /// once on stderr).
+    /// Shared memory when the launcher says every rank is on this host; otherwise RDMA where a
+    /// usable device and ACTIVE port exist, TCP where not (said once on stderr), with shared
+    /// memory to the peers on this host. `RDMACOMM_SHM=0` turns shared memory off.
     Auto,
-    /// RDMA only: no device is an error.
+    /// RDMA (no device is an error); shared memory to same-host peers only with `RDMACOMM_SHM=1`.
     Rdma,
-    /// TCP only.
+    /// TCP; shared memory to same-host peers only with `RDMACOMM_SHM=1`.
     Tcp,
     /// Shared memory only: every rank must be on this host.
     Shm,
@@ -234,12 +276,8 @@ pub fn connect_with(
     kind: Kind,
     meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
-    let shm = kind == Kind::Shm || kind == Kind::Auto && cfg.all_local();
-    Ok(if shm {
-        Box::new(shm::ShmTransport::connect_with(cfg, meet)?)
-    } else if resolves_to_rdma(kind) {
-        Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)
-    } else {
-        Box::new(tcp::TcpTransport::connect_with(cfg, meet)?)
-    })
+    if kind == Kind::Shm || kind == Kind::Auto && cfg.all_local() {
+        return Ok(Box::new(shm::ShmTransport::connect_with(cfg, meet)?));
+    }
+    hybrid::connect_with(cfg, resolves_to_rdma(kind), meet)
 }

@@ -93,7 +93,14 @@ impl Scope {
 }
 
 /// Names of `algo` values for all_reduce, in [`crate::Algo`] order.
-pub const ALL_REDUCE_ALGOS: [&str; 5] = ["ring", "halving", "doubling", "auto", "direct"];
+pub const ALL_REDUCE_ALGOS: [&str; 6] = [
+    "ring",
+    "halving",
+    "doubling",
+    "auto",
+    "direct",
+    "hierarchical",
+];
 /// Names of `algo` values for broadcast.
 pub const BROADCAST_ALGOS: [&str; 3] = ["chain", "tree", "auto"];
 

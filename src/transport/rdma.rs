@@ -417,6 +417,26 @@ impl RdmaTransport {
         &self.watch
     }
 
+    /// The side channel and failure record, to record a failure.
+    pub(crate) fn watch_mut(&mut self) -> &mut Watch {
+        &mut self.watch
+    }
+
+    /// Polls completions and the side channel now, without waiting: whether anything happened.
+    pub(crate) fn poll_now(&mut self) -> Result<bool> {
+        self.watch.poll_sometimes()?;
+        let moved = self.poll()?;
+        if moved {
+            self.made_progress();
+        }
+        Ok(moved)
+    }
+
+    /// Something outside this transport moved (the no-progress clock restarts).
+    pub(crate) fn note_progress(&mut self) {
+        self.made_progress();
+    }
+
     /// Whether every peer is still reachable, without blocking: the side channel, the device's
     /// async events, each QP's state, and a zero-byte RDMA write probe per peer whose
     /// completion is checked on the next call.

@@ -558,6 +558,27 @@ impl TcpTransport {
         &self.watch
     }
 
+    /// The side channel and failure record, to record a failure.
+    pub(crate) fn watch_mut(&mut self) -> &mut Watch {
+        &mut self.watch
+    }
+
+    /// Moves what the sockets allow and reads the side channel now, without waiting: whether
+    /// anything happened.
+    pub(crate) fn poll_now(&mut self) -> Result<bool> {
+        self.watch.poll_sometimes()?;
+        let moved = self.pump()?;
+        if moved {
+            self.pacer.progress();
+        }
+        Ok(moved)
+    }
+
+    /// Something outside this transport moved (the no-progress clock restarts).
+    pub(crate) fn note_progress(&mut self) {
+        self.pacer.progress();
+    }
+
     /// Whether every peer is still reachable, without blocking.
     pub fn health(&mut self) -> Result<()> {
         self.check_side()?;

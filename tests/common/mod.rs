@@ -86,13 +86,22 @@ pub fn transport_ready() -> bool {
     !require_rdma() || rdma_available()
 }
 
-/// A free TCP port on loopback (for the coordinator).
+/// A free TCP port on loopback (for the coordinator), below the ephemeral range: a port the
+/// kernel hands out for binding to 0 may be taken by an outgoing connection (tests running
+/// beside this one connect a lot) before the rank that is to listen on it binds it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let salt = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut rng = Rng((std::process::id() as u64) << 32 ^ salt | 1);
+    loop {
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = 20_000 + ((rng.next() ^ k) % 12_000) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Number of soft-RoCE "hosts" the VM made (0 outside `tools/rxe-vm --hosts N`).
@@ -168,6 +177,14 @@ pub fn spawn(
             );
         } else if let Ok(d) = std::env::var("RXE_DEV") {
             c.env("RDMACOMM_IB_DEVICE", d);
+        }
+        // Ranks grouped into "hosts" of k for shared memory (RDMACOMM_HOST_ID), as tools/test
+        // does to run the suites over shared memory and a network transport at once.
+        if let Some(k) = std::env::var("RXE_TEST_RANKS_PER_HOST")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            c.env("RDMACOMM_HOST_ID", format!("test-host-{}", r / k.max(1)));
         }
         for (k, v) in env(r) {
             c.env(k, v);

@@ -1,0 +1,337 @@
+//! Hierarchical all_reduce for worlds of several hosts with several ranks each, as NCCL and
+//! oneCCL run it: a reduce-scatter among the ranks of each host (over shared memory), an
+//! all_reduce of each rank's part among the ranks of the same local index on every host (over
+//! the network), and an all-gather among the ranks of each host. The network carries 1/L of the
+//! flat algorithms' bytes (L ranks per host). Each element's final value is computed by the one
+//! cross-host all_reduce that owns it and copied from there, so every rank gets the same bits.
+
+use crate::collectives::ring::{self, chunks};
+use crate::collectives::Algo;
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Peer, Result};
+use crate::transport::op::{OpDesc, Scope};
+use crate::transport::Link;
+
+/// Where a rank stands in a regular layout of `hosts` (every host with the same number of
+/// ranks, at least two hosts and two ranks each): the ranks of its host and the ranks of its
+/// local index on every host, both in rank order, and its index in each. `None` otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The ranks on this rank's host.
+    pub local: Vec<usize>,
+    /// The ranks with this rank's local index, one per host.
+    pub cross: Vec<usize>,
+    /// This rank's index in `local`.
+    pub local_index: usize,
+    /// This rank's index in `cross`.
+    pub cross_index: usize,
+}
+
+impl Layout {
+    /// The layout of rank `me` among ranks whose hosts are `hosts` (a host number per rank).
+    pub fn of(hosts: &[usize], me: usize) -> Option<Layout> {
+        let nhosts = hosts.iter().max().map_or(0, |m| m + 1);
+        if nhosts < 2 || me >= hosts.len() {
+            return None;
+        }
+        let on = |h: usize| -> Vec<usize> { (0..hosts.len()).filter(|&r| hosts[r] == h).collect() };
+        let per = on(0).len();
+        if per < 2 || (1..nhosts).any(|h| on(h).len() != per) {
+            return None;
+        }
+        let local = on(hosts[me]);
+        let local_index = local.iter().position(|&r| r == me).expect("on its host");
+        let cross: Vec<usize> = (0..nhosts).map(|h| on(h)[local_index]).collect();
+        let cross_index = hosts[me];
+        Some(Layout {
+            local,
+            cross,
+            local_index,
+            cross_index,
+        })
+    }
+}
+
+/// A group of ranks of a link seen as a link of its own: rank i of the view is `ranks[i]`.
+struct View<'a> {
+    link: &'a mut dyn Link,
+    ranks: &'a [usize],
+    me: usize,
+}
+
+impl Link for View<'_> {
+    fn rank(&self) -> usize {
+        self.me
+    }
+    fn size(&self) -> usize {
+        self.ranks.len()
+    }
+    fn peer(&self, rank: usize) -> Peer {
+        self.link.peer(self.ranks[rank])
+    }
+    fn max_chunk(&self) -> usize {
+        self.link.max_chunk()
+    }
+    fn doubling_max(&self) -> usize {
+        self.link.doubling_max()
+    }
+    fn take_between_posts(&self) -> bool {
+        self.link.take_between_posts()
+    }
+    fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
+        self.link.try_post(self.ranks[peer], data)
+    }
+    fn try_take(&mut self, peer: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        self.link.try_take(self.ranks[peer], f)
+    }
+    fn try_take_into(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
+        self.link.try_take_into(self.ranks[peer], dst)
+    }
+    fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        self.link.progress(self.ranks[waiting_on])
+    }
+    fn begin(&mut self) {
+        self.link.begin()
+    }
+    fn start(&mut self, _op: &OpDesc, _scope: Scope) {
+        // The whole operation was started on the underlying link; its steps start nothing.
+    }
+    fn settle(&mut self, range: &[u8]) -> Result<()> {
+        self.link.settle(range)
+    }
+}
+
+/// In-place all_reduce over `link`, hierarchically where its hosts form a regular layout
+/// ([`Layout::of`]), else by the flat algorithm [`Algo::Auto`] picks.
+pub fn all_reduce(
+    link: &mut dyn Link,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let layout = link.hosts().and_then(|h| Layout::of(h, link.rank()));
+    let Some(l) = layout else {
+        let algo = Algo::Auto.choose(link.size(), data.len(), link.doubling_max(), false, false);
+        return flat(link, algo, op, dtype, data, scratch);
+    };
+    let es = dtype.size();
+    let parts = chunks(data.len() / es, l.local.len(), es);
+    {
+        let mut host = View {
+            link: &mut *link,
+            ranks: &l.local,
+            me: l.local_index,
+        };
+        ring::reduce_scatter_in(&mut host, op, dtype, data, parts)?;
+    }
+    let (off, len) = parts.get(l.local_index);
+    {
+        let mut across = View {
+            link: &mut *link,
+            ranks: &l.cross,
+            me: l.cross_index,
+        };
+        let part = &mut data[off..off + len];
+        let algo = Algo::Auto.choose(l.cross.len(), len, across.doubling_max(), false, false);
+        flat(&mut across, algo, op, dtype, part, scratch)?;
+    }
+    let mut host = View {
+        link,
+        ranks: &l.local,
+        me: l.local_index,
+    };
+    ring::all_gather_in(&mut host, data, parts)
+}
+
+/// A flat algorithm (never [`Algo::Hierarchical`] or [`Algo::Auto`]) over `link`.
+fn flat(
+    link: &mut dyn Link,
+    algo: Algo,
+    op: AllReduce,
+    dtype: DType,
+    data: &mut [u8],
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    use crate::collectives::{direct, halving};
+    match algo {
+        Algo::Direct => direct::all_reduce_direct(link, op, dtype, data, scratch),
+        Algo::Doubling => halving::all_reduce_doubling(link, op, dtype, data, scratch),
+        Algo::Halving => halving::all_reduce_halving(link, op, dtype, data, scratch),
+        _ => ring::all_reduce(link, op, dtype, data),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use std::collections::VecDeque;
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::time::{Duration, Instant};
+
+    /// A link between threads: a channel per ordered pair, chunks of at most `chunk` bytes, and
+    /// a host map.
+    struct Mem {
+        me: usize,
+        tx: Vec<Sender<Vec<u8>>>,
+        rx: Vec<Option<Receiver<Vec<u8>>>>,
+        early: Vec<VecDeque<Vec<u8>>>,
+        hosts: Vec<usize>,
+        chunk: usize,
+        idle_since: Instant,
+    }
+
+    fn mesh(hosts: &[usize], chunk: usize) -> Vec<Mem> {
+        let n = hosts.len();
+        let mut tx: Vec<Vec<Sender<Vec<u8>>>> = (0..n).map(|_| Vec::new()).collect();
+        let mut rx: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for (from, row) in tx.iter_mut().enumerate() {
+            // Row `from` sends to every rank; rank `to` receives from `from` on rx[to][from].
+            for rxs in rx.iter_mut() {
+                let (t, r) = channel();
+                row.push(t);
+                rxs[from] = Some(r);
+            }
+        }
+        tx.into_iter()
+            .zip(rx)
+            .enumerate()
+            .map(|(me, (tx, rx))| Mem {
+                me,
+                tx,
+                rx,
+                early: (0..n).map(|_| VecDeque::new()).collect(),
+                hosts: hosts.to_vec(),
+                chunk,
+                idle_since: Instant::now(),
+            })
+            .collect()
+    }
+
+    impl Link for Mem {
+        fn rank(&self) -> usize {
+            self.me
+        }
+        fn size(&self) -> usize {
+            self.hosts.len()
+        }
+        fn peer(&self, rank: usize) -> Peer {
+            Peer {
+                rank,
+                addr: "mem".into(),
+            }
+        }
+        fn max_chunk(&self) -> usize {
+            self.chunk
+        }
+        fn hosts(&self) -> Option<&[usize]> {
+            Some(&self.hosts)
+        }
+        fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
+            assert!(data.len() <= self.chunk && peer != self.me);
+            self.tx[peer].send(data.to_vec()).expect("peer alive");
+            Ok(true)
+        }
+        fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+            if let Ok(c) = self.rx[p].as_ref().expect("a peer").try_recv() {
+                self.early[p].push_back(c);
+            }
+            match self.early[p].pop_front() {
+                Some(c) => f(&c).map(|_| true),
+                None => Ok(false),
+            }
+        }
+        fn progress(&mut self, waiting_on: usize) -> Result<()> {
+            std::thread::yield_now();
+            if self.idle_since.elapsed() > Duration::from_secs(10) {
+                return Err(Error::Config(format!(
+                    "rank {} stuck on {waiting_on}",
+                    self.me
+                )));
+            }
+            Ok(())
+        }
+        fn begin(&mut self) {
+            self.idle_since = Instant::now();
+        }
+        fn start(&mut self, _op: &OpDesc, _scope: Scope) {}
+    }
+
+    /// Runs the hierarchical all_reduce of `elems` f32 on every rank of `hosts` (rank r holds
+    /// r + i/8 at element i, exact in f32) and checks every rank's result against the sum.
+    fn check(hosts: &[usize], elems: usize, chunk: usize) {
+        let n = hosts.len();
+        let threads: Vec<_> = mesh(hosts, chunk)
+            .into_iter()
+            .map(|mut link| {
+                std::thread::spawn(move || {
+                    let r = link.me;
+                    let mut d: Vec<u8> = (0..elems)
+                        .flat_map(|i| (r as f32 + (i % 64) as f32 / 8.0).to_le_bytes())
+                        .collect();
+                    let mut scratch = Vec::new();
+                    all_reduce(&mut link, AllReduce::Sum, DType::f32, &mut d, &mut scratch)
+                        .unwrap();
+                    d
+                })
+            })
+            .collect();
+        let results: Vec<Vec<u8>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        for (r, d) in results.iter().enumerate() {
+            for (i, b) in d.chunks(4).enumerate() {
+                let want: f32 = (0..n).map(|q| q as f32 + (i % 64) as f32 / 8.0).sum();
+                let got = f32::from_le_bytes(b.try_into().unwrap());
+                assert_eq!(got, want, "{hosts:?} x{elems}: rank {r} element {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn hierarchical_all_reduce_matches_the_sum_on_every_layout() {
+        for hosts in [
+            &[0, 0, 1, 1][..],
+            &[0, 1, 0, 1],
+            &[0, 0, 0, 1, 1, 1],
+            &[0, 0, 1, 1, 2, 2, 3, 3],
+            &[0, 0, 1, 1, 2, 2],
+            // Not regular: flat.
+            &[0, 0, 1],
+            &[0, 1, 1, 1],
+        ] {
+            for elems in [0, 1, 5, 1000, 70_001] {
+                check(hosts, elems, 256);
+            }
+        }
+    }
+
+    #[test]
+    fn regular_layouts_only() {
+        let l = Layout::of(&[0, 0, 1, 1], 2).unwrap();
+        assert_eq!(
+            l,
+            Layout {
+                local: vec![2, 3],
+                cross: vec![0, 2],
+                local_index: 0,
+                cross_index: 1
+            }
+        );
+        // Hosts interleaved, three of three.
+        let l = Layout::of(&[0, 1, 2, 0, 1, 2, 0, 1, 2], 7).unwrap();
+        assert_eq!((l.local, l.cross), (vec![1, 4, 7], vec![6, 7, 8]));
+        assert_eq!((l.local_index, l.cross_index), (2, 1));
+        for hosts in [
+            &[0, 1, 1, 2][..],
+            &[0, 0, 0, 1],
+            &[0, 1, 2, 3],
+            &[0, 0, 0, 0],
+            &[],
+        ] {
+            for me in 0..hosts.len() {
+                assert_eq!(Layout::of(hosts, me), None, "{hosts:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! A network transport (RDMA or TCP) whose same-host peers are reached through shared memory
+//! instead: chosen per peer at the rendezvous from the host identities in the cards.
+//!
+//! The network transport connects to every rank and owns the side channel (failures, stalls,
+//! teardown); the rings ([`super::rings`]) carry the chunks to same-host peers. With shared
+//! memory on, every rank's card starts with a prefix (tag, length, the rings' payload), stripped
+//! before the network transport reads its own card; without it the card is the network
+//! transport's alone. Either way a rank whose `RDMACOMM_SHM` differs is named at the rendezvous.
+
+use crate::config::Config;
+use crate::error::{Error, Peer, Result};
+use crate::transport::bootstrap::{Reader, TAG_HYBRID, TAG_SHM};
+use crate::transport::op::{OpDesc, Scope};
+use crate::transport::pacer::{self, Pacer, Wait};
+use crate::transport::rendezvous::{Card, Rendezvous};
+use crate::transport::rings::{slots_for, Pending, Rings};
+use crate::transport::shm::{blame, NAP, SPIN, YIELD};
+use crate::transport::{rdma, tcp, Link, Transport};
+use std::time::Duration;
+
+/// A network transport with shared memory to same-host peers.
+pub struct HybridTransport {
+    // Dropped first: its teardown waits until no peer still writes.
+    net: Box<dyn Transport>,
+    rings: Rings,
+    /// Paces waits on same-host peers (the network transport paces its own).
+    pacer: Pacer,
+    timeout: Duration,
+}
+
+/// Connects RDMA (`rdma`) or TCP to every rank through `meet`, with shared memory to the ranks on
+/// this host where [`Config::shm_for_peers`] says so (returned as the network transport alone
+/// where this rank has no such peer).
+pub fn connect_with(
+    cfg: &Config,
+    rdma: bool,
+    meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
+) -> Result<Box<dyn Transport>> {
+    cfg.validate()?;
+    if !cfg.shm_for_peers() {
+        // The network transport's own card, as a peer without shared memory expects it.
+        return Ok(if rdma {
+            Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)
+        } else {
+            Box::new(tcp::TcpTransport::connect_with(cfg, meet)?)
+        });
+    }
+    let chunk = if rdma { cfg.slot_bytes } else { cfg.tcp_chunk };
+    // A same-host peer buffers at least as many chunks as a network peer: a program's sends
+    // must not block sooner (and deadlock where they did not) because its peer shares the host.
+    let slots = slots_for(chunk).max(cfg.slots);
+    let mut pending = Some(Pending::new(&cfg.host_id, slots, chunk)?);
+    let payload = pending.as_ref().map(Pending::payload).unwrap_or_default();
+    let mut rings = None;
+    let mut wrapped = |card: &Card| -> Result<Rendezvous> {
+        let mut common = TAG_HYBRID.to_le_bytes().to_vec();
+        common.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        common.extend_from_slice(&payload);
+        common.extend_from_slice(&card.common);
+        let mut rv = meet(&Card {
+            common,
+            entry: card.entry,
+            each: card.each.clone(),
+        })?;
+        let payloads = strip(&mut rv, cfg.rank)?;
+        if let Some(p) = pending.take() {
+            rings = Some(p.finish(cfg.rank, &payloads, &rv.addrs, &mut rv.side, false)?);
+        }
+        Ok(rv)
+    };
+    let net: Box<dyn Transport> = if rdma {
+        Box::new(rdma::RdmaTransport::connect_with(cfg, &mut wrapped)?)
+    } else {
+        Box::new(tcp::TcpTransport::connect_with(cfg, &mut wrapped)?)
+    };
+    Ok(match rings {
+        Some(rings) if rings.peers() > 0 => {
+            assert_eq!(
+                rings.chunk(),
+                net.max_chunk(),
+                "rings sized for the network's chunks"
+            );
+            let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded(&rings), SPIN, YIELD);
+            Box::new(HybridTransport {
+                net,
+                rings,
+                pacer,
+                timeout: cfg.timeout,
+            })
+        }
+        _ => net,
+    })
+}
+
+/// Whether more ranks share this host than it has cores (then waits do not spin).
+fn crowded(rings: &Rings) -> bool {
+    rings.peers() + 1 > std::thread::available_parallelism().map_or(1, |c| c.get())
+}
+
+/// Removes every card's prefix, returning the rings' payloads by rank; a rank without the prefix
+/// (shared memory only, or a network transport without it) is named.
+fn strip(rv: &mut Rendezvous, me: usize) -> Result<Vec<Vec<u8>>> {
+    let mut payloads = Vec::with_capacity(rv.cards.len());
+    for (p, c) in rv.cards.iter_mut().enumerate() {
+        let mut r = Reader(c);
+        let tag = r.u32().unwrap_or(0);
+        let pl = match r.bytes() {
+            Ok(pl) if tag == TAG_HYBRID && !pl.is_empty() => pl.to_vec(),
+            _ => {
+                let theirs = if tag == TAG_SHM {
+                    "uses shared memory only"
+                } else {
+                    "does not use shared memory for same-host peers"
+                };
+                return Err(Error::Config(format!(
+                    "rank {p} ({}) {theirs} but rank {me} uses RDMA or TCP with shared memory \
+                     to same-host peers: set RDMACOMM_SHM and RDMACOMM_TRANSPORT alike on every \
+                     rank",
+                    rv.addrs[p]
+                )));
+            }
+        };
+        c.drain(..8 + pl.len());
+        payloads.push(pl);
+    }
+    Ok(payloads)
+}
+
+impl HybridTransport {
+    fn local(&self, p: usize) -> bool {
+        self.rings.reaches(p)
+    }
+
+    /// A move on the rings: both clocks restart.
+    fn moved(&mut self) {
+        self.pacer.progress();
+        self.net.note_progress();
+    }
+}
+
+impl Link for HybridTransport {
+    fn rank(&self) -> usize {
+        self.net.rank()
+    }
+    fn size(&self) -> usize {
+        self.net.size()
+    }
+    fn peer(&self, rank: usize) -> Peer {
+        self.net.peer(rank)
+    }
+    fn max_chunk(&self) -> usize {
+        self.net.max_chunk()
+    }
+    fn doubling_max(&self) -> usize {
+        self.net.doubling_max()
+    }
+    fn slice_bytes(&self) -> usize {
+        self.net.slice_bytes()
+    }
+    fn hosts(&self) -> Option<&[usize]> {
+        Some(self.rings.hosts())
+    }
+    fn take_between_posts(&self) -> bool {
+        // A take on a ring frees the peer's slot at once: its next post may be waiting for it.
+        true
+    }
+
+    fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
+        if !self.local(p) {
+            return self.net.try_post(p, data);
+        }
+        match self.rings.try_post(p, data) {
+            Ok(posted) => {
+                if posted {
+                    self.moved();
+                }
+                Ok(posted)
+            }
+            Err(f) => Err(blame(self.net.watch_mut(), p, f)),
+        }
+    }
+
+    fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        if !self.local(p) {
+            return self.net.try_take(p, f);
+        }
+        match self.rings.try_take(p, f) {
+            Ok(took) => {
+                if took {
+                    self.moved();
+                }
+                Ok(took)
+            }
+            Err(f) => Err(blame(self.net.watch_mut(), p, f)),
+        }
+    }
+
+    fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        if !self.local(p) {
+            return self.net.try_take_into(p, dst);
+        }
+        self.try_take(p, &mut |src: &[u8]| super::copy_chunk(src, dst, p))
+    }
+
+    fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        if !self.local(waiting_on) {
+            return self.net.progress(waiting_on);
+        }
+        // Waiting on a same-host peer: keep the network's sends and completions moving without
+        // sleeping in its wait (a post to the rings wakes nothing there).
+        self.net.watch_mut().waiting_on(Some(waiting_on));
+        if self.net.poll_now()? {
+            self.pacer.progress();
+            return Ok(());
+        }
+        match self.pacer.idle() {
+            Wait::Spin => std::hint::spin_loop(),
+            Wait::Yield => std::thread::yield_now(),
+            Wait::BackOff => {
+                self.net.watch_mut().poll()?;
+                std::thread::sleep(NAP);
+            }
+            Wait::Expired => {
+                return Err(self.net.watch_mut().stalled(waiting_on, self.timeout));
+            }
+        }
+        Ok(())
+    }
+
+    fn begin(&mut self) {
+        self.pacer.begin();
+        self.net.begin();
+    }
+
+    fn start(&mut self, op: &OpDesc, scope: Scope) {
+        self.net.start(op, scope);
+        self.rings.start(op, scope);
+    }
+
+    fn lend(&mut self, buf: &[u8]) {
+        self.net.lend(buf);
+    }
+
+    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { self.net.register(buf) }
+    }
+
+    fn unregister(&mut self, id: u64) {
+        self.net.unregister(id);
+    }
+
+    fn settle(&mut self, range: &[u8]) -> Result<()> {
+        // Posts to the rings copy at once: only the network's may still read the range.
+        self.net.settle(range)
+    }
+
+    fn release(&mut self) {
+        self.net.release();
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.net.finish()
+    }
+}
+
+impl Transport for HybridTransport {
+    fn health(&mut self) -> Result<()> {
+        self.net.health()
+    }
+    fn describe(&self) -> String {
+        let k = self.rings.peers();
+        let s = if k == 1 { "" } else { "s" };
+        let hosts = self.rings.hosts();
+        let count = |h: usize| hosts.iter().filter(|&&x| x == h).count();
+        let nh = hosts.iter().max().map_or(0, |m| m + 1);
+        let layout = if (0..nh).all(|h| count(h) == count(0)) {
+            format!("{nh} hosts of {} ranks", count(0))
+        } else {
+            let each: Vec<String> = (0..nh).map(|h| count(h).to_string()).collect();
+            format!("hosts of {} ranks", each.join(", "))
+        };
+        format!(
+            "{}, shared memory to {k} same-host peer{s} ({layout})",
+            self.net.describe()
+        )
+    }
+    fn local_rank(&self) -> (usize, usize) {
+        self.net.local_rank()
+    }
+    fn abort(&mut self, reason: String) {
+        self.net.abort(reason);
+    }
+    fn watch_mut(&mut self) -> &mut crate::transport::watch::Watch {
+        self.net.watch_mut()
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        self.net.poll_now()
+    }
+    fn note_progress(&mut self) {
+        self.net.note_progress();
+    }
+}

@@ -1,0 +1,505 @@
+//! Rings in shared memory between the ranks of one host: the data path of the shared-memory
+//! transport, and of the same-host peers of a network transport ([`super::hybrid`]).
+//!
+//! Each rank creates one segment (an anonymous `memfd_create` file, its pages reserved up front
+//! so that exhausted memory is an error at start-up, not a `SIGBUS` later) holding a ring per
+//! same-host peer: the peer's count of chunks posted, this rank's count of chunks taken (each on
+//! a cache line of its own), then the slots, each a 64-byte header (length, operation
+//! descriptor) and `chunk` bytes. A writer copies a chunk into the reader's ring and publishes
+//! the count (release); the reader sees it (acquire), reduces or copies straight from the slot,
+//! then publishes its own count, which frees the slot: one copy in, no copy out. Each card
+//! carries the segment's `/proc/<pid>/fd/<fd>` path, which only processes allowed to inspect
+//! this one (its user's, in its PID namespace) can open; after a barrier every same-host rank
+//! maps every same-host peer's segment, and after a second one each closes its descriptor.
+//! Nothing is ever named in `/dev/shm`, so nothing can be left there, however the processes end.
+
+use crate::error::{Error, Peer, Result};
+use crate::transport::bootstrap::{Reader, SideChannel};
+use crate::transport::op::{self, OpDesc, OpKind, Scope};
+use std::fs::File;
+use std::os::fd::FromRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Slots per ring of the shared-memory transport.
+pub const SLOTS: usize = 8;
+/// Bytes per slot of the shared-memory transport: its largest chunk.
+pub const CHUNK: usize = 64 << 10;
+/// Bytes of a slot's header: the chunk's length, then its operation descriptor.
+const HEAD: usize = 64;
+/// Where a slot's descriptor sits in its header.
+const DESC_AT: usize = 16;
+/// The two counters' cache lines ahead of a ring's slots.
+const COUNTERS: usize = 128;
+
+/// Slots per ring for chunks of `chunk` bytes: [`SLOTS`] x [`CHUNK`] of room, two at least.
+pub fn slots_for(chunk: usize) -> usize {
+    (SLOTS * CHUNK / chunk.max(1)).clamp(2, SLOTS)
+}
+
+/// What went wrong on a ring, for the owning transport to turn into an error (its watch tells
+/// the group).
+pub(crate) enum Fault {
+    /// The peer broke the protocol.
+    Protocol(String),
+    /// The peer's operation differs from this rank's.
+    Mismatch(String),
+    /// An error of the caller's (a take's consumer).
+    Other(Error),
+}
+
+/// A shared mapping of a segment.
+struct Segment {
+    map: memmap2::MmapRaw,
+    /// Open until every peer has opened it through `/proc/<pid>/fd/<fd>`.
+    file: Option<File>,
+}
+
+/// Creates an empty anonymous memory file, so nothing is ever named in `/dev/shm` and its
+/// memory goes with the last process that maps it, however it ends.
+fn create_file() -> Result<File> {
+    // SAFETY: a NUL-terminated name; the flags are valid.
+    let fd = unsafe { libc::memfd_create(c"rdmacomm".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(no_memory(0, std::io::Error::last_os_error().to_string()));
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+fn no_memory(len: usize, why: String) -> Error {
+    Error::Config(format!(
+        "cannot create {len} bytes of shared memory: {why}; set RDMACOMM_SHM=0 to do without"
+    ))
+}
+
+/// Where a process on this host opens `file`, an open file of this one.
+fn path_of(file: &File) -> String {
+    use std::os::fd::AsRawFd;
+    format!("/proc/{}/fd/{}", std::process::id(), file.as_raw_fd())
+}
+
+impl Segment {
+    /// Gives `file` `len` bytes (reserved now: on a full tmpfs a later first touch would raise
+    /// SIGBUS) and maps it.
+    fn size(file: File, len: usize) -> Result<Segment> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor is open for writing.
+        let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+        if r != 0 {
+            return Err(no_memory(
+                len,
+                format!(
+                    "{} (is the memory or a container's limit exhausted?)",
+                    std::io::Error::from_raw_os_error(r)
+                ),
+            ));
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|e| no_memory(len, format!("mmap: {e}")))?;
+        Ok(Segment {
+            map,
+            file: Some(file),
+        })
+    }
+
+    /// Maps the peer's segment at `path`, which must be `len` bytes.
+    fn open(path: &str, len: usize) -> std::result::Result<Segment, String> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| {
+                format!(
+                    "cannot open its shared memory {path}: {e} (another host, PID namespace or \
+                     user? set RDMACOMM_HOST_ID apart, or RDMACOMM_SHM=0)"
+                )
+            })?;
+        let size = file.metadata().map_err(|e| e.to_string())?.len() as usize;
+        if size != len {
+            return Err(format!(
+                "its shared memory {path} has {size} bytes, not {len}"
+            ));
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|e| format!("cannot map its shared memory {path}: {e}"))?;
+        Ok(Segment { map, file: None })
+    }
+
+    /// Byte `off` of the mapping.
+    fn at(&self, off: usize) -> *mut u8 {
+        assert!(off < self.map.len(), "offset {off} past the segment");
+        // SAFETY: in bounds (asserted).
+        unsafe { self.map.as_mut_ptr().add(off) }
+    }
+
+    /// The counter at `off` (8-aligned, inside the mapping).
+    fn counter(&self, off: usize) -> &AtomicU64 {
+        assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        // SAFETY: aligned and in bounds (asserted; the mapping is page-aligned); AtomicU64 has
+        // u64's layout; the mapping lives as long as &self; the other processes touch it only
+        // atomically too.
+        unsafe { &*(self.at(off) as *const AtomicU64) }
+    }
+}
+
+/// What this rank knows of one same-host peer.
+#[derive(Default)]
+struct PeerState {
+    /// Chunks posted to it, and taken from it.
+    posted: u64,
+    taken: u64,
+    /// Operation numbers in each direction (see [`op::OpDesc::seq`]).
+    seq_out: u64,
+    seq_in: u64,
+    /// The current operation's first chunk from it passed the descriptor check.
+    verified: bool,
+    /// Its index among the ranks of this host.
+    local: usize,
+}
+
+/// A segment created, its path to be sent in the card: the rings before the rendezvous.
+pub(crate) struct Pending {
+    file: File,
+    host: String,
+    slots: usize,
+    chunk: usize,
+}
+
+impl Pending {
+    /// Creates this rank's (empty) segment for rings of `slots` x `chunk` bytes on `host`.
+    pub(crate) fn new(host: &str, slots: usize, chunk: usize) -> Result<Pending> {
+        Ok(Pending {
+            file: create_file()?,
+            host: host.to_string(),
+            slots,
+            chunk,
+        })
+    }
+
+    /// What the card carries: slots, chunk, host and the segment's path.
+    pub(crate) fn payload(&self) -> Vec<u8> {
+        let mut v = Vec::new();
+        for x in [self.slots as u32, self.chunk as u32] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        for s in [self.host.as_bytes(), path_of(&self.file).as_bytes()] {
+            v.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            v.extend_from_slice(s);
+        }
+        v
+    }
+
+    /// After the rendezvous (`payloads[p]`: rank p's [`Pending::payload`]): sizes this rank's
+    /// segment for its same-host peers, waits until every rank has (`side`'s barrier), maps
+    /// theirs, waits until every rank has, and closes the descriptor. With `all_local`, a rank
+    /// on another host is an error naming it. Every rank calls this (both barriers are global).
+    pub(crate) fn finish(
+        self,
+        me: usize,
+        payloads: &[Vec<u8>],
+        addrs: &[String],
+        side: &mut SideChannel,
+        all_local: bool,
+    ) -> Result<Rings> {
+        let n = payloads.len();
+        let mut paths: Vec<Option<String>> = vec![None; n];
+        let mut locals = Vec::new();
+        let mut names: Vec<String> = Vec::new();
+        let mut hosts = Vec::with_capacity(n);
+        for (p, pl) in payloads.iter().enumerate() {
+            let mut r = Reader(pl);
+            let (slots, chunk) = (r.u32()? as usize, r.u32()? as usize);
+            let host = String::from_utf8_lossy(r.bytes()?).into_owned();
+            let path = String::from_utf8_lossy(r.bytes()?).into_owned();
+            hosts.push(names.iter().position(|h| *h == host).unwrap_or_else(|| {
+                names.push(host.clone());
+                names.len() - 1
+            }));
+            if host != self.host {
+                if all_local {
+                    return Err(Error::Config(format!(
+                        "rank {p} ({}) is on another host ({host}, this is {}): shared memory \
+                         needs every rank on one host; set RDMACOMM_TRANSPORT=auto, rdma or tcp",
+                        addrs[p], self.host
+                    )));
+                }
+                continue;
+            }
+            if (slots, chunk) != (self.slots, self.chunk) {
+                return Err(Error::Config(format!(
+                    "rank {p} ({}) uses {slots} shared-memory slots of {chunk} bytes, rank {me} \
+                     {} of {}: every rank must run the same rdmacomm with the same settings",
+                    addrs[p], self.slots, self.chunk
+                )));
+            }
+            if p != me {
+                paths[p] = Some(path);
+            }
+            locals.push(p);
+        }
+        let ring = COUNTERS + self.slots * (HEAD + self.chunk);
+        let len = locals.len() * ring;
+        // Alone on its host, a rank maps nothing (but still meets the others at the barriers).
+        let mut mine = if locals.len() > 1 {
+            Some(Segment::size(self.file, len)?)
+        } else {
+            None
+        };
+        side.barrier()?;
+        let mut theirs: Vec<Option<Segment>> = Vec::with_capacity(n);
+        for (p, path) in paths.iter().enumerate() {
+            let Some(path) = path else {
+                theirs.push(None);
+                continue;
+            };
+            let peer = Peer {
+                rank: p,
+                addr: addrs[p].clone(),
+            };
+            theirs.push(Some(
+                Segment::open(path, len).map_err(|reason| Error::PeerFailed { peer, reason })?,
+            ));
+        }
+        // Every rank has mapped every segment it needs: nobody opens ours again.
+        side.barrier()?;
+        if let Some(m) = mine.as_mut() {
+            m.file = None;
+        }
+        let mut state: Vec<Option<PeerState>> = (0..n).map(|_| None).collect();
+        for (i, &p) in locals.iter().enumerate() {
+            state[p] = Some(PeerState {
+                seq_out: u64::MAX,
+                seq_in: u64::MAX,
+                local: i,
+                ..PeerState::default()
+            });
+        }
+        let my_local = state[me].as_ref().map_or(0, |s| s.local);
+        state[me] = None;
+        Ok(Rings {
+            mine,
+            theirs,
+            state,
+            me,
+            my_local,
+            hosts,
+            slots: self.slots,
+            chunk: self.chunk,
+            ring,
+            op: OpDesc::new(OpKind::Barrier, 0),
+            op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
+        })
+    }
+}
+
+/// One rank's rings with its same-host peers.
+pub(crate) struct Rings {
+    /// The segment same-host peers write to this rank (none when it has no such peer).
+    mine: Option<Segment>,
+    /// Each same-host peer's segment, which this rank writes, by rank.
+    theirs: Vec<Option<Segment>>,
+    /// By rank: Some for same-host peers.
+    state: Vec<Option<PeerState>>,
+    me: usize,
+    my_local: usize,
+    /// Every rank's host, numbered in order of first appearance.
+    hosts: Vec<usize>,
+    slots: usize,
+    chunk: usize,
+    ring: usize,
+    op: OpDesc,
+    op_wire: [u8; op::WIRE],
+}
+
+impl Rings {
+    /// Whether rank `p` is a same-host peer (reached through these rings).
+    pub(crate) fn reaches(&self, p: usize) -> bool {
+        self.state.get(p).is_some_and(|s| s.is_some())
+    }
+
+    /// The number of same-host peers.
+    pub(crate) fn peers(&self) -> usize {
+        self.state.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// Every rank's host (numbered from 0 in order of first appearance).
+    pub(crate) fn hosts(&self) -> &[usize] {
+        &self.hosts
+    }
+
+    /// The largest chunk.
+    pub(crate) fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Offsets in a segment: the ring written by the rank of local index `w`.
+    fn posted_at(&self, w: usize) -> usize {
+        w * self.ring
+    }
+    fn taken_at(&self, w: usize) -> usize {
+        w * self.ring + 64
+    }
+    fn slot_at(&self, w: usize, k: u64) -> usize {
+        w * self.ring + COUNTERS + (k as usize % self.slots) * (HEAD + self.chunk)
+    }
+
+    /// Posts `data` (at most [`Rings::chunk`] bytes) to same-host peer `p` if a slot is free.
+    pub(crate) fn try_post(&mut self, p: usize, data: &[u8]) -> std::result::Result<bool, Fault> {
+        assert!(data.len() <= self.chunk, "a chunk larger than max_chunk");
+        let me = self.my_local;
+        let st = self.state[p].as_ref().expect("a same-host peer");
+        let seg = self.theirs[p].as_ref().expect("its segment is mapped");
+        let k = st.posted;
+        let taken = seg.counter(self.taken_at(me)).load(Ordering::Acquire);
+        if taken > k {
+            return Err(Fault::Protocol(format!(
+                "protocol error: took {taken} chunks of {k} posted"
+            )));
+        }
+        if k - taken >= self.slots as u64 {
+            return Ok(false);
+        }
+        let slot = self.slot_at(me, k);
+        let desc = OpDesc::numbered(self.op_wire, st.seq_out);
+        // SAFETY: the slot lies in the mapping (slot_at, ring) and is ours to write: the reader
+        // took chunk k - slots (checked above) and reads this slot only after we publish k + 1.
+        unsafe {
+            let head = std::slice::from_raw_parts_mut(seg.at(slot), HEAD);
+            head[..4].copy_from_slice(&(data.len() as u32).to_le_bytes());
+            head[DESC_AT..DESC_AT + op::WIRE].copy_from_slice(&desc);
+            let body = std::slice::from_raw_parts_mut(seg.at(slot + HEAD), data.len());
+            crate::copy::copy(body, data);
+        }
+        seg.counter(self.posted_at(me))
+            .store(k + 1, Ordering::Release);
+        self.state[p].as_mut().expect("a same-host peer").posted = k + 1;
+        Ok(true)
+    }
+
+    /// If the next chunk from same-host peer `p` has arrived, hands it to `f` and frees its slot.
+    pub(crate) fn try_take(
+        &mut self,
+        p: usize,
+        f: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> std::result::Result<bool, Fault> {
+        let st = self.state[p].as_ref().expect("a same-host peer");
+        let (k, w) = (st.taken, st.local);
+        let mine = self
+            .mine
+            .as_ref()
+            .expect("mapped: this rank has a same-host peer");
+        let posted = mine.counter(self.posted_at(w)).load(Ordering::Acquire);
+        if posted <= k {
+            if posted < k {
+                return Err(Fault::Protocol(format!(
+                    "protocol error: posted count went back to {posted} from {k}"
+                )));
+            }
+            return Ok(false);
+        }
+        if posted - k > self.slots as u64 {
+            return Err(Fault::Protocol(format!(
+                "protocol error: {posted} chunks posted, {k} taken, {} slots",
+                self.slots
+            )));
+        }
+        let slot = self.slot_at(w, k);
+        // SAFETY: the header lies in our mapping; the writer published it (acquire above) and
+        // does not touch the slot again until we publish k + 1.
+        let head = unsafe { std::slice::from_raw_parts(mine.at(slot), HEAD) };
+        let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
+        if len > self.chunk {
+            return Err(Fault::Protocol(format!(
+                "protocol error: chunk {k} has {len} bytes (at most {})",
+                self.chunk
+            )));
+        }
+        if !st.verified {
+            let got = &head[DESC_AT..DESC_AT + op::WIRE];
+            if got != OpDesc::numbered(self.op_wire, st.seq_in) {
+                let want = OpDesc {
+                    seq: st.seq_in,
+                    ..self.op
+                };
+                if let Err(why) = want.check(got, p, self.me) {
+                    return Err(Fault::Mismatch(why));
+                }
+            }
+        }
+        // SAFETY: as for the header: len bytes after it, in the slot (len <= chunk checked).
+        let body = unsafe { std::slice::from_raw_parts(mine.at(slot + HEAD), len) };
+        f(body).map_err(Fault::Other)?;
+        mine.counter(self.taken_at(w))
+            .store(k + 1, Ordering::Release);
+        let st = self.state[p].as_mut().expect("a same-host peer");
+        st.verified = true;
+        st.taken = k + 1;
+        Ok(true)
+    }
+
+    /// Starts operation `op` with the same-host peers of `scope` (numbers and descriptors as in
+    /// [`crate::transport::Link::start`]).
+    pub(crate) fn start(&mut self, op: &OpDesc, scope: Scope) {
+        self.op = *op;
+        self.op_wire = op.encode();
+        for (p, st) in self.state.iter_mut().enumerate() {
+            let Some(st) = st.as_mut() else { continue };
+            if scope.counts(p, true) {
+                st.seq_out = st.seq_out.wrapping_add(1);
+            }
+            if scope.counts(p, false) {
+                st.seq_in = st.seq_in.wrapping_add(1);
+                st.verified = false;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_segment_is_one_memory_for_its_openers_and_has_no_name() {
+        let shm_before = std::fs::read_dir("/dev/shm")
+            .map(|d| d.count())
+            .unwrap_or(0);
+        let len = 2 << 20;
+        let file = create_file().unwrap();
+        let path = path_of(&file);
+        let mut s = Segment::size(file, len).unwrap();
+        let other = Segment::open(&path, len).unwrap();
+        other.counter(64).store(7, Ordering::Release);
+        assert_eq!(s.counter(64).load(Ordering::Acquire), 7, "one memory");
+        assert!(
+            Segment::open(&path, len / 2).is_err(),
+            "a size that differs is refused"
+        );
+        s.file = None;
+        assert!(
+            Segment::open(&path, len).is_err(),
+            "closed: nobody opens it again"
+        );
+        assert_eq!(other.counter(64).load(Ordering::Acquire), 7, "still mapped");
+        let shm_after = std::fs::read_dir("/dev/shm")
+            .map(|d| d.count())
+            .unwrap_or(0);
+        assert_eq!(shm_before, shm_after, "nothing named in /dev/shm");
+    }
+
+    #[test]
+    fn rings_hold_as_much_whatever_the_chunk() {
+        assert_eq!(slots_for(CHUNK), SLOTS);
+        assert_eq!(
+            slots_for(1 << 20),
+            2,
+            "two at least: one filled while one is read"
+        );
+        assert_eq!(slots_for(256 << 10), 2);
+        assert_eq!(slots_for(1024), SLOTS, "no more than the default count");
+    }
+}
