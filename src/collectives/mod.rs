@@ -7,6 +7,11 @@ pub mod hier;
 pub mod p2p;
 pub mod ring;
 
+#[cfg(test)]
+mod algo_tests;
+#[cfg(test)]
+mod mem_link;
+
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
 use crate::transport::Link;

@@ -1,0 +1,208 @@
+//! Every algorithm over the in-memory link ([`super::mem_link`]): 2 to 8 ranks, queues of 1 to 4
+//! chunks of 8 B to 4 KiB, lengths from empty to several thousand elements, each result checked
+//! against a scalar re-computation, and bit identity across ranks where rounding depends on order.
+
+use super::mem_link::{mesh, on_every_rank, MemLink};
+use super::{bcast, direct, halving, hier, ring, Algo};
+use crate::dtype::{AllReduce, DType};
+use std::time::{Duration, Instant};
+
+/// Slots per pair and chunk bytes: one slot of 8 bytes (every element its own chunk, every post
+/// waits for a take), a few small ones, and room for whole vectors.
+const LINKS: [(usize, usize); 3] = [(1, 8), (2, 64), (4, 4096)];
+const LENGTHS: [usize; 5] = [0, 1, 5, 1000, 4097];
+
+fn f32s(v: &[u8]) -> Vec<f32> {
+    v.chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
+    v.flat_map(f32::to_le_bytes).collect()
+}
+
+/// Rank r's element i: small integers (sums exact in f32) or, with `frac`, values whose sum
+/// rounds differently in different orders.
+fn value(r: usize, i: usize, frac: bool) -> f32 {
+    if frac {
+        (r as f32 + 1.0) / 3.0 + i as f32 * 1e-3
+    } else {
+        ((r * 7 + i) % 13) as f32 - 6.0
+    }
+}
+
+/// Runs all_reduce with `algo` (the way `Comm` dispatches it) on every rank and checks every
+/// element against the sum and, with fractional values, the same bits on every rank.
+fn all_reduce_checked(algo: Algo, n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>) {
+    for &elems in &LENGTHS {
+        for frac in [false, true] {
+            let links = mesh(n, slots, chunk, hosts);
+            let out = on_every_rank(links, move |l: &mut MemLink| {
+                let r = crate::transport::Link::rank(l);
+                let mut d = bytes((0..elems).map(|i| value(r, i, frac)));
+                let mut scratch = Vec::new();
+                let (op, t) = (AllReduce::Sum, DType::f32);
+                match algo {
+                    Algo::Ring => ring::all_reduce(l, op, t, &mut d),
+                    Algo::Halving => halving::all_reduce_halving(l, op, t, &mut d, &mut scratch),
+                    Algo::Doubling => halving::all_reduce_doubling(l, op, t, &mut d, &mut scratch),
+                    Algo::Direct => direct::all_reduce_direct(l, op, t, &mut d, &mut scratch),
+                    _ => hier::all_reduce(l, op, t, &mut d, &mut scratch),
+                }
+                .unwrap();
+                d
+            });
+            let what = format!("{algo:?} on {n} ranks, {slots} x {chunk} B, x{elems}, {hosts:?}");
+            for (r, d) in out.iter().enumerate() {
+                for (i, got) in f32s(d).into_iter().enumerate() {
+                    let want: f64 = (0..n).map(|q| value(q, i, frac) as f64).sum();
+                    let ok = if frac {
+                        (got as f64 - want).abs() <= 1e-5 * want.abs().max(1.0)
+                    } else {
+                        got as f64 == want
+                    };
+                    assert!(ok, "{what}: rank {r} element {i}: {got} against {want}");
+                }
+                assert_eq!(d, &out[0], "{what}: rank {r}'s bits differ from rank 0's");
+            }
+        }
+    }
+}
+
+#[test]
+fn flat_all_reduces_on_2_to_8_ranks() {
+    for n in 2..=8 {
+        for (slots, chunk) in LINKS {
+            for algo in [Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct] {
+                all_reduce_checked(algo, n, slots, chunk, None);
+            }
+        }
+    }
+}
+
+#[test]
+fn hierarchical_all_reduce_on_regular_and_uneven_layouts() {
+    for hosts in [
+        &[0, 0, 1, 1][..],
+        &[0, 1, 0, 1],
+        &[0, 0, 0, 1, 1, 1],
+        &[0, 0, 1, 1, 2, 2],
+        &[0, 0, 1, 1, 2, 2, 3, 3],
+        // Uneven or one rank a host: the flat algorithms.
+        &[0, 0, 1],
+        &[0, 1, 1, 1],
+        &[0, 1, 2],
+    ] {
+        for (slots, chunk) in LINKS {
+            all_reduce_checked(Algo::Hierarchical, hosts.len(), slots, chunk, Some(hosts));
+        }
+    }
+}
+
+#[test]
+fn reduce_scatters_and_all_gather() {
+    for n in 2..=8 {
+        for (slots, chunk) in LINKS {
+            for per in [0usize, 1, 3, 300] {
+                let len = per * n;
+                // Ring reduce-scatter (any n) and halving's (powers of two): rank r's part
+                // holds the sum of every rank's part r.
+                for halving_rs in [false, true] {
+                    if halving_rs && !n.is_power_of_two() {
+                        continue;
+                    }
+                    let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                        let r = crate::transport::Link::rank(l);
+                        let mut d = bytes((0..len).map(|i| value(r, i, false)));
+                        let (op, t) = (AllReduce::Sum, DType::f32);
+                        if halving_rs {
+                            halving::reduce_scatter_halving(l, op, t, &mut d).unwrap();
+                        } else {
+                            ring::reduce_scatter(l, op, t, &mut d).unwrap();
+                        }
+                        f32s(&d)
+                    });
+                    for (r, d) in out.iter().enumerate() {
+                        for (i, &got) in d.iter().enumerate().skip(r * per).take(per) {
+                            let want: f32 = (0..n).map(|q| value(q, i, false)).sum();
+                            assert_eq!(got, want, "reduce-scatter (halving {halving_rs}) {n} ranks {slots} x {chunk}: rank {r} element {i}");
+                        }
+                    }
+                }
+                // all_gather: part q of every rank's result is rank q's input.
+                let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                    let r = crate::transport::Link::rank(l);
+                    let mut d = vec![0u8; 4 * len];
+                    let mine = bytes((0..per).map(|i| value(r, i, true)));
+                    d[4 * r * per..4 * (r + 1) * per].copy_from_slice(&mine);
+                    ring::all_gather(l, &mut d).unwrap();
+                    d
+                });
+                let want: Vec<u8> = (0..n)
+                    .flat_map(|q| bytes((0..per).map(move |i| value(q, i, true))))
+                    .collect();
+                for (r, d) in out.iter().enumerate() {
+                    assert_eq!(
+                        d, &want,
+                        "all_gather {n} ranks {slots} x {chunk} x{per}: rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcasts_from_every_root() {
+    for n in 2..=8 {
+        for (slots, chunk) in LINKS {
+            for root in 0..n {
+                for tree in [false, true] {
+                    for len in [0usize, 1, 100, 5000] {
+                        let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                            let r = crate::transport::Link::rank(l);
+                            let mut d: Vec<u8> = (0..len).map(|i| (i * 31 + r) as u8).collect();
+                            if tree {
+                                bcast::broadcast_tree(l, root, &mut d).unwrap();
+                            } else {
+                                bcast::broadcast(l, root, &mut d).unwrap();
+                            }
+                            d
+                        });
+                        let want: Vec<u8> = (0..len).map(|i| (i * 31 + root) as u8).collect();
+                        for (r, d) in out.iter().enumerate() {
+                            assert_eq!(
+                                d, &want,
+                                "broadcast (tree {tree}) from {root} on {n} ranks, {slots} x {chunk} B, {len} B: rank {r}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_barrier_holds_every_rank_until_the_last_arrives() {
+    for n in 2..=8 {
+        for late in [0, n - 1] {
+            let start = Instant::now();
+            let hold = Duration::from_millis(60);
+            let out = on_every_rank(mesh(n, 2, 64, None), move |l| {
+                if crate::transport::Link::rank(l) == late {
+                    std::thread::sleep(hold);
+                }
+                bcast::barrier(l).unwrap();
+                start.elapsed()
+            });
+            for (r, t) in out.iter().enumerate() {
+                assert!(
+                    *t >= hold,
+                    "{n} ranks, rank {late} late: rank {r} left the barrier after {t:?}"
+                );
+            }
+        }
+    }
+}

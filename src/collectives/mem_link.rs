@@ -1,0 +1,128 @@
+//! An in-memory [`Link`] between threads, for unit tests of the algorithms: per ordered pair a
+//! queue of at most `slots` chunks of at most `chunk` bytes (a full queue refuses a post, as a
+//! transport out of credits does), and an optional host map. Deterministic and fast: an
+//! algorithm bug shows here in milliseconds instead of in a multi-process run.
+
+use crate::error::{Error, Peer, Result};
+use crate::transport::op::{OpDesc, Scope};
+use crate::transport::Link;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One rank's end of the mesh.
+pub(crate) struct MemLink {
+    me: usize,
+    n: usize,
+    /// Queue of chunks from rank a to rank b at `a * n + b`.
+    queues: Arc<Vec<Mutex<VecDeque<Vec<u8>>>>>,
+    slots: usize,
+    chunk: usize,
+    hosts: Option<Vec<usize>>,
+    idle_since: Instant,
+}
+
+/// How long a wait without progress lasts before it fails (a deadlock in an algorithm).
+const STUCK: Duration = Duration::from_secs(10);
+
+/// A mesh of `n` ranks with `slots` chunks of `chunk` bytes in flight per ordered pair.
+pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>) -> Vec<MemLink> {
+    let queues: Arc<Vec<_>> = Arc::new((0..n * n).map(|_| Mutex::new(VecDeque::new())).collect());
+    (0..n)
+        .map(|me| MemLink {
+            me,
+            n,
+            queues: queues.clone(),
+            slots,
+            chunk,
+            hosts: hosts.map(<[usize]>::to_vec),
+            idle_since: Instant::now(),
+        })
+        .collect()
+}
+
+/// Runs `f` on every rank of `links`, each in a thread of its own, and returns what each
+/// returned, by rank.
+pub(crate) fn on_every_rank<T: Send + 'static>(
+    links: Vec<MemLink>,
+    f: impl Fn(&mut MemLink) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let threads: Vec<_> = links
+        .into_iter()
+        .map(|mut l| {
+            let f = f.clone();
+            std::thread::spawn(move || f(&mut l))
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread"))
+        .collect()
+}
+
+impl MemLink {
+    fn queue(&self, from: usize, to: usize) -> &Mutex<VecDeque<Vec<u8>>> {
+        &self.queues[from * self.n + to]
+    }
+}
+
+impl Link for MemLink {
+    fn rank(&self) -> usize {
+        self.me
+    }
+    fn size(&self) -> usize {
+        self.n
+    }
+    fn peer(&self, rank: usize) -> Peer {
+        Peer {
+            rank,
+            addr: "memory".into(),
+        }
+    }
+    fn max_chunk(&self) -> usize {
+        self.chunk
+    }
+    fn hosts(&self) -> Option<&[usize]> {
+        self.hosts.as_deref()
+    }
+    fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
+        assert!(peer != self.me && peer < self.n, "post to {peer}");
+        assert!(data.len() <= self.chunk, "a chunk of {} bytes", data.len());
+        {
+            let mut q = self.queue(self.me, peer).lock().unwrap();
+            if q.len() >= self.slots {
+                return Ok(false);
+            }
+            q.push_back(data.to_vec());
+        }
+        self.idle_since = Instant::now();
+        Ok(true)
+    }
+    fn try_take(&mut self, peer: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        assert!(peer != self.me && peer < self.n, "take from {peer}");
+        let chunk = self.queue(peer, self.me).lock().unwrap().pop_front();
+        match chunk {
+            Some(c) => {
+                self.idle_since = Instant::now();
+                f(&c).map(|_| true)
+            }
+            None => Ok(false),
+        }
+    }
+    fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        std::thread::yield_now();
+        if self.idle_since.elapsed() > STUCK {
+            return Err(Error::Timeout {
+                peer: self.peer(waiting_on),
+                what: format!("rank {} made no progress (an algorithm deadlock)", self.me),
+                after: STUCK,
+            });
+        }
+        Ok(())
+    }
+    fn begin(&mut self) {
+        self.idle_since = Instant::now();
+    }
+    fn start(&mut self, _op: &OpDesc, _scope: Scope) {}
+}
