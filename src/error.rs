@@ -18,8 +18,9 @@ impl fmt::Display for Peer {
     }
 }
 
-/// Everything that can go wrong in rdmacomm.
+/// Everything that can go wrong in rdmacomm. New kinds may be added: match with a `_` arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No usable RDMA device on this host.
     #[error("no usable RDMA device: {0}")]
