@@ -1,9 +1,21 @@
 //! rdmacomm: collective communication between the ranks of a training job over RDMA
-//! (InfiniBand, RoCE v2, soft-RoCE).
+//! (InfiniBand, RoCE v2, soft-RoCE), TCP, and shared memory between the ranks of one host.
 //!
-//! Layers, top down: [`api`] (the [`Communicator`] trait) and [`comm`] (its RDMA implementation)
-//! → [`collectives`] (algorithms over a narrow per-peer [`transport::Link`]) → [`transport`]
-//! (bootstrap over TCP, slots and credits over RDMA) → [`verbs`] (safe owners of verbs objects).
+//! ```no_run
+//! use rdmacomm::{AllReduce, Group};
+//!
+//! // Rank, world size and rank 0's address from torchrun, Open MPI, PMI or Slurm variables.
+//! let group = Group::from_env()?;
+//! let mut grad = vec![1.0f32; 1 << 20];
+//! group.all_reduce(&mut grad, AllReduce::Sum)?;
+//! assert!(grad.iter().all(|&g| g == group.size() as f32));
+//! # Ok::<(), rdmacomm::Error>(())
+//! ```
+//!
+//! Layers, top down: [`api`] (the [`Communicator`] trait) and [`comm`] (its implementation over
+//! a transport) → [`collectives`] (algorithms over a narrow per-peer [`transport::Link`]) →
+//! [`transport`] (bootstrap over TCP; RDMA, TCP and shared-memory data paths) → [`verbs`] (safe
+//! owners of verbs objects).
 //! Beside them: [`config`] (the environment), [`pin`] (optional core pinning), [`reduce`] (the
 //! reduction kernels).
 #![warn(missing_docs)]

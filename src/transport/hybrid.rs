@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{Reader, TAG_HYBRID, TAG_SHM};
 use crate::transport::op::{OpDesc, Scope};
-use crate::transport::pacer::{self, Pacer, Wait};
+use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::rings::{slots_for, Pending, Rings};
 use crate::transport::shm::{blame, NAP, SPIN, YIELD};
@@ -52,6 +52,7 @@ pub fn connect_with(
     let mut pending = Some(Pending::new(&cfg.host_id, slots, chunk)?);
     let payload = pending.as_ref().map(Pending::payload).unwrap_or_default();
     let mut rings = None;
+    let mut crowded = false;
     let mut wrapped = |card: &Card| -> Result<Rendezvous> {
         let mut common = TAG_HYBRID.to_le_bytes().to_vec();
         common.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -63,6 +64,7 @@ pub fn connect_with(
             each: card.each.clone(),
         })?;
         let payloads = strip(&mut rv, cfg.rank)?;
+        crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         if let Some(p) = pending.take() {
             rings = Some(p.finish(cfg.rank, &payloads, &rv.addrs, &mut rv.side, false)?);
         }
@@ -80,7 +82,8 @@ pub fn connect_with(
                 net.max_chunk(),
                 "rings sized for the network's chunks"
             );
-            let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded(&rings), SPIN, YIELD);
+            let crowded = crowded || rings.peers() + 1 > cores();
+            let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
             Box::new(HybridTransport {
                 net,
                 rings,
@@ -92,9 +95,8 @@ pub fn connect_with(
     })
 }
 
-/// Whether more ranks share this host than it has cores (then waits do not spin).
-fn crowded(rings: &Rings) -> bool {
-    rings.peers() + 1 > std::thread::available_parallelism().map_or(1, |c| c.get())
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |c| c.get())
 }
 
 /// Removes every card's prefix, returning the rings' payloads by rank; a rank without the prefix

@@ -11,10 +11,13 @@ use std::time::{Duration, Instant};
 /// Idle polls between clock reads while spinning or yielding.
 pub const CLOCK_EVERY: u32 = 32;
 
-/// Whether more ranks share this rank's host (same address in `addrs`) than it has cores: then
-/// a waiting rank should yield at once rather than spin on a core another rank needs.
-pub fn oversubscribed(addrs: &[String], rank: usize) -> bool {
-    let local = addrs.iter().filter(|a| **a == addrs[rank]).count();
+/// Whether more ranks share this rank's host than it has cores: then a waiting rank should
+/// yield at once rather than spin on a core another rank needs. The ranks on this host are those
+/// with its address in `addrs`, or as many as the launcher says it started here (`launched`,
+/// [`crate::Config::local_world`]) where that is more.
+pub fn oversubscribed(addrs: &[String], rank: usize, launched: Option<usize>) -> bool {
+    let same_addr = addrs.iter().filter(|a| **a == addrs[rank]).count();
+    let local = same_addr.max(launched.unwrap_or(0));
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     local > cores
 }
@@ -154,6 +157,18 @@ impl Pacer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn crowded_by_addresses_or_by_the_launchers_count() {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let two: Vec<String> = vec!["a".into(), "b".into()];
+        assert!(!oversubscribed(&two, 0, None));
+        assert!(!oversubscribed(&two, 0, Some(cores)));
+        // Ranks the test gave addresses of their own that all run on this machine.
+        assert!(oversubscribed(&two, 0, Some(cores + 1)));
+        let same: Vec<String> = vec!["a".into(); cores + 1];
+        assert!(oversubscribed(&same, 0, None));
+    }
 
     #[test]
     fn phases_follow_idle_time_and_progress_resets_them() {

@@ -349,7 +349,7 @@ impl RdmaTransport {
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
         // than cores), yield up to 2 ms, then nap 50 us at a time: no core burnt on a long
         // wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
-        let crowded = oversubscribed(&rv.addrs, cfg.rank);
+        let crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
         let zc_min = cfg.zero_copy_min;
         Ok(RdmaTransport {

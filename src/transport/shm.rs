@@ -52,7 +52,7 @@ impl ShmTransport {
         let payloads: Vec<Vec<u8>> = rv.cards.iter().map(|c| c[4..].to_vec()).collect();
         let rings = pending.finish(cfg.rank, &payloads, &rv.addrs, &mut side, true)?;
         side.set_async()?;
-        let crowded = oversubscribed(&rv.addrs, cfg.rank);
+        let crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         Ok(ShmTransport {
             rings,
             watch: Watch::new(side, cfg.rank, rv.addrs),

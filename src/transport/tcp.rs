@@ -392,7 +392,7 @@ impl TcpTransport {
         let spin_for = match cfg.poll {
             Poll::Spin => Duration::MAX,
             Poll::Yield => Duration::ZERO,
-            Poll::Auto if oversubscribed(&rv.addrs, cfg.rank) => Duration::ZERO,
+            Poll::Auto if oversubscribed(&rv.addrs, cfg.rank, cfg.local_world) => Duration::ZERO,
             Poll::Auto => Duration::from_micros(50),
         };
         let mut conns = Vec::with_capacity(n);
