@@ -13,9 +13,7 @@
 //! - `ping-pong write`: rank 0 writes, rank 1 answers when it sees it (`ib_write_lat`'s loop):
 //!   one round trip per step, the floor of any scheme in which the ranks take turns.
 
-use rdmacomm::verbs::{
-    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
-};
+use rdmacomm::verbs::{self, CompletionQueue, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge};
 #[path = "../tests/common/handshake.rs"]
 mod handshake;
 use handshake::{decode, encode, pair_line, swap};
@@ -167,8 +165,8 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(20_000);
-    let (ctx, sel) =
-        verbs::open(&DeviceChoice::from_env().expect("device choice")).expect("open device");
+    let (ctx, sel) = verbs::open(&rdmacomm::config::device_from_env().expect("device choice"))
+        .expect("open device");
     let pd = ctx.alloc_pd().expect("pd");
     let buf = RegisteredBuffer::new(&pd, 4096).expect("register");
     let cq = CompletionQueue::new(&ctx, 2 * (SEND_DEPTH + RECV_DEPTH)).expect("cq");

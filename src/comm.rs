@@ -3,7 +3,7 @@
 use crate::api::{
     check_all_gather, check_all_reduce, check_peer, check_root, check_sum_scatter, Communicator,
 };
-use crate::collectives::{bcast, direct, halving, hier, p2p, ring};
+use crate::collectives::{bcast, direct, halving, hier, p2p, ring, tuning};
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -54,10 +54,10 @@ impl Comm {
     /// device. The calling thread owns the communicator.
     pub fn new(cfg: &Config) -> Result<Self> {
         cfg.validate()?;
-        crate::copy::requested()?;
-        // Choose the copy kernel (its one timing, where it is measured) here, not inside the
-        // first operation.
-        crate::copy::kernel();
+        // The process's kernels, chosen (and the copy kernel timed, where it is) here, not
+        // inside the first operation.
+        crate::reduce::choose_simd(cfg.simd_baseline);
+        crate::copy::choose(cfg.copy);
         let mut link = if cfg.world_size > 1 {
             Some(transport::connect(cfg, cfg.transport)?)
         } else {
@@ -402,7 +402,7 @@ impl Communicator for Comm {
             // Whole elements per slice; each slice is an all_reduce of its own, its algorithm
             // chosen by its size, so every rank still gets the same bits, run to run.
             let es = dtype.size();
-            let slice = (l.slice_bytes() / es).max(1) * es;
+            let slice = (tuning::slice_bytes(l.medium()) / es).max(1) * es;
             let mut rest = data;
             loop {
                 let (part, tail) = rest.split_at_mut(rest.len().min(slice));
@@ -411,8 +411,12 @@ impl Communicator for Comm {
                 let layered = l
                     .hosts()
                     .is_some_and(|h| hier::Layout::of(h, l.rank()).is_some());
-                let (n, len, dmax, shared) =
-                    (l.size(), part.len(), l.doubling_max(), l.shares_memory());
+                let (n, len, dmax, shared) = (
+                    l.size(),
+                    part.len(),
+                    tuning::doubling_max(l.medium(), l.size()),
+                    l.shares_memory(),
+                );
                 match algo.choose(n, len, dmax, shared, layered) {
                     Algo::Hierarchical => hier::all_reduce(l, op, dtype, part, scratch)?,
                     Algo::Direct => direct::all_reduce_direct(l, op, dtype, part, scratch)?,

@@ -177,10 +177,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The default TCP chunk: a chunk and its 64-byte header fill one 64 KiB loopback segment (lo's
 /// MTU is 65536: 65483 bytes of payload per segment), where 64 KiB chunks took two (the second
-/// small, with its own wakeup). Measured on loopback, 2 ranks, minima of 9 alternating runs,
-/// 65472 vs 65536 bytes with the 4-byte header then used: 256 KiB all_reduce 89 vs 105 us,
-/// 1 MiB 266 vs 330, 2 MiB 539 vs 610; 128 KiB - 64 was within the noise of it, larger chunks
-/// slower (less overlap of reduction and transfer).
+/// small, with its own wakeup; measured: docs/DESIGN.md).
 pub const DEFAULT_TCP_CHUNK: usize = (64 << 10) - 128;
 
 /// The largest world (the RDMA transport's work-request ids name a peer in 14 bits).
@@ -194,12 +191,7 @@ pub const SLOT_BUDGET: usize = 32 << 20;
 
 /// The default slot size: the largest power of two from 64 KiB to 1 MiB (2 MiB for two ranks)
 /// whose slots (receive and send, `slots` each, for every rank) fit [`SLOT_BUDGET`]: 2 MiB for 2
-/// ranks, 1 MiB up to 4, 512 KiB at 8, 64 KiB from 64. Measured on lo-rxe, all_reduce busbw
-/// MB/s: 2 ranks, 1 MiB slots vs 256 KiB x 8: 1 MiB 48-52 vs 38-43, 4 MiB 44-51 vs 33-40; 2 ranks,
-/// 4 x 2 MiB vs 4 x 1 MiB (two alternating rounds): 16 MiB 52 vs 37-39, 64 KiB-8 MiB alike, and
-/// on 2 veth hosts alike (16 MiB 30-32 both). (8 x 1 MiB also fixed 16 MiB but made 128 KiB, two
-/// 64 KiB chunks per operation, 3x slower, 10-13 ms against 3.3; 3 and 4 ranks gain nothing from
-/// 8 slots: 16 MiB 27-28 vs 30 and 21-22 vs 23.5.)
+/// ranks, 1 MiB up to 4, 512 KiB at 8, 64 KiB from 64 (measured: docs/DESIGN.md).
 pub fn default_slot_bytes(world_size: usize, slots: usize) -> usize {
     let fit = SLOT_BUDGET / (2 * world_size.max(1) * slots.max(1));
     let pow2 = if fit == 0 {
@@ -226,6 +218,10 @@ pub struct Config {
     pub timeout: Duration,
     /// Which RDMA device, port and GID to use.
     pub device: DeviceChoice,
+    /// The copy kernel asked for (`RDMACOMM_COPY`; `None`: the faster one here).
+    pub copy: Option<crate::copy::CopyKernel>,
+    /// Portable reduction kernels only (`RDMACOMM_SIMD=baseline`).
+    pub simd_baseline: bool,
     /// Bytes per staging slot (one RDMA write at most).
     pub slot_bytes: usize,
     /// Slots per peer and direction (writes in flight per peer).
@@ -320,6 +316,33 @@ fn pair(r: &str, s: &str) -> Result<Option<(usize, usize)>> {
     }
 }
 
+/// Reads `RDMACOMM_IB_DEVICE`, `RDMACOMM_IB_PORT` and `RDMACOMM_GID_INDEX`.
+pub fn device_from_env() -> Result<DeviceChoice> {
+    let num =
+        |name: &str| -> Result<Option<u32>> {
+            match env(name) {
+                Some(v) => v.trim().parse::<u32>().map(Some).map_err(|_| {
+                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
+                }),
+                None => Ok(None),
+            }
+        };
+    let port = match num("RDMACOMM_IB_PORT")? {
+        Some(p) if (1..=255).contains(&p) => Some(p as u8),
+        Some(p) => {
+            return Err(Error::Config(format!(
+                "RDMACOMM_IB_PORT={p}: ports are numbered from 1"
+            )))
+        }
+        None => None,
+    };
+    Ok(DeviceChoice {
+        device: env("RDMACOMM_IB_DEVICE"),
+        port,
+        gid_index: num("RDMACOMM_GID_INDEX")?,
+    })
+}
+
 impl Config {
     /// A config for `rank` of `world_size` meeting at `coordinator`, other fields from defaults
     /// and the environment (`RDMACOMM_TIMEOUT`, device overrides, slot geometry).
@@ -370,23 +393,25 @@ impl Config {
             })?,
             None => 0,
         };
-        crate::copy::requested()?;
-        // Read by the reduction kernels; anything but these was silently ignored.
-        match env("RDMACOMM_SIMD").as_deref().map(str::trim) {
-            None | Some("auto") | Some("baseline") => {}
+        let copy = crate::copy::parse(env("RDMACOMM_COPY").as_deref().unwrap_or(""))?;
+        let simd_baseline = match env("RDMACOMM_SIMD").as_deref().map(str::trim) {
+            None | Some("auto") => false,
+            Some("baseline") => true,
             Some(v) => {
                 return Err(Error::Config(format!(
                     "RDMACOMM_SIMD={v:?}: use baseline or auto"
                 )))
             }
-        }
+        };
         let cfg = Config {
             rank,
             world_size,
             coordinator: coordinator.into(),
             bind_addr: env("RDMACOMM_BIND_ADDR"),
             timeout,
-            device: DeviceChoice::from_env()?,
+            device: device_from_env()?,
+            copy,
+            simd_baseline,
             slot_bytes,
             slots,
             tcp_chunk,
@@ -434,6 +459,8 @@ impl Config {
             bind_addr: None,
             timeout: DEFAULT_TIMEOUT,
             device: DeviceChoice::default(),
+            copy: None,
+            simd_baseline: false,
             slot_bytes: default_slot_bytes(world_size, DEFAULT_SLOTS),
             slots: DEFAULT_SLOTS,
             tcp_chunk: DEFAULT_TCP_CHUNK,

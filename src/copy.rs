@@ -1,13 +1,12 @@
 //! The copy kernel: moving bytes between user buffers and the transports' slots.
 //!
 //! libc's `memcpy` is the right copy almost everywhere, but not on every CPU: glibc copies
-//! mid-sized buffers (a few KiB up to its non-temporal threshold, here between 384 KiB and
-//! 2 MiB) with `rep movsb`, which some CPUs run slowly (an emulated CPU byte by byte: under QEMU's
-//! TCG, as in the soft-RoCE VM, 64-384 KiB copy at ~460 MB/s against ~3 GB/s for 2 MiB; AMD Zen
-//! parts are slow with it at some sizes and alignments, and glibc has narrowed its use there).
+//! mid-sized buffers (a few KiB up to its non-temporal threshold) with `rep movsb`, which some
+//! CPUs run slowly (an emulated CPU byte by byte, as in the soft-RoCE VM; AMD Zen parts at some
+//! sizes and alignments, where glibc has narrowed its use; measured: docs/DESIGN.md).
 //! Where AVX2 exists, both are timed on this CPU once, when the first communicator is made, and
 //! the faster is kept (as the Linux kernel picks its RAID xor routine at boot);
-//! `RDMACOMM_COPY=libc|simd` overrides.
+//! `RDMACOMM_COPY=libc|simd` overrides (read by [`crate::Config`], applied by [`choose`]).
 
 use std::sync::OnceLock;
 
@@ -41,32 +40,40 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
-/// What `RDMACOMM_COPY` asks for: `None` for `auto` or unset; any other value is an error that
-/// names it ([`crate::Comm::new`] checks this before it joins).
-pub fn requested() -> crate::Result<Option<CopyKernel>> {
-    match std::env::var("RDMACOMM_COPY").as_deref() {
-        Err(_) | Ok("") | Ok("auto") => Ok(None),
-        Ok("libc") => Ok(Some(CopyKernel::Libc)),
-        Ok("simd") => Ok(Some(CopyKernel::Simd)),
-        Ok(v) => Err(crate::Error::Config(format!(
+/// Parses a copy-kernel setting (`RDMACOMM_COPY`, read by [`crate::Config`]): `None` for `auto`
+/// or empty; any other value than `libc` and `simd` is an error that names it.
+pub fn parse(v: &str) -> crate::Result<Option<CopyKernel>> {
+    match v.trim() {
+        "" | "auto" => Ok(None),
+        "libc" => Ok(Some(CopyKernel::Libc)),
+        "simd" => Ok(Some(CopyKernel::Simd)),
+        v => Err(crate::Error::Config(format!(
             "RDMACOMM_COPY={v:?}: use libc, simd or auto"
         ))),
     }
 }
 
-/// The copy kernel in use, chosen once: as `RDMACOMM_COPY` asks (`simd` only where the CPU has
-/// AVX2), else the faster of the two measured on this CPU; libc without AVX2.
-pub fn kernel() -> CopyKernel {
-    static KERNEL: OnceLock<CopyKernel> = OnceLock::new();
+static KERNEL: OnceLock<CopyKernel> = OnceLock::new();
+
+/// Chooses the copy kernel once per process (the first communicator does, from its
+/// [`crate::Config::copy`]): `requested` (`simd` only where the CPU has AVX2), else the faster of
+/// the two measured on this CPU; libc without AVX2. Later calls keep the first choice, which is
+/// returned.
+pub fn choose(requested: Option<CopyKernel>) -> CopyKernel {
     *KERNEL.get_or_init(|| {
         let simd = crate::reduce::simd_level() == crate::reduce::SimdLevel::Avx2;
-        match requested() {
-            Ok(Some(CopyKernel::Libc)) => CopyKernel::Libc,
-            Ok(Some(CopyKernel::Simd)) if simd => CopyKernel::Simd,
+        match requested {
+            Some(CopyKernel::Libc) => CopyKernel::Libc,
+            Some(CopyKernel::Simd) if simd => CopyKernel::Simd,
             _ if simd => calibrate(),
             _ => CopyKernel::Libc,
         }
     })
+}
+
+/// The copy kernel in use ([`choose`], with nothing requested if nothing chose before).
+pub fn kernel() -> CopyKernel {
+    choose(None)
 }
 
 /// Times both kernels on 256 KiB (inside the range where `rep movsb` is used), alternating,

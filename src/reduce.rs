@@ -251,12 +251,14 @@ pub enum SimdLevel {
     Avx2,
 }
 
-/// Detects (once) which kernel copy this CPU runs. `RDMACOMM_SIMD=baseline` forces the baseline.
-pub fn simd_level() -> SimdLevel {
-    use std::sync::OnceLock;
-    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+static LEVEL: std::sync::OnceLock<SimdLevel> = std::sync::OnceLock::new();
+
+/// Chooses the kernels once per process (the first communicator does, from its
+/// [`crate::Config::simd_baseline`], `RDMACOMM_SIMD=baseline`): `baseline` forces the portable
+/// ones, else the best this CPU runs. Later calls keep the first choice, which is returned.
+pub fn choose_simd(baseline: bool) -> SimdLevel {
     *LEVEL.get_or_init(|| {
-        if std::env::var("RDMACOMM_SIMD").is_ok_and(|v| v == "baseline") {
+        if baseline {
             return SimdLevel::Baseline;
         }
         #[cfg(target_arch = "x86_64")]
@@ -268,6 +270,11 @@ pub fn simd_level() -> SimdLevel {
         }
         SimdLevel::Baseline
     })
+}
+
+/// The kernels in use ([`choose_simd`], detected from the CPU if nothing chose before).
+pub fn simd_level() -> SimdLevel {
+    choose_simd(false)
 }
 
 /// `acc = op(acc, src)` element-wise. Lengths must be equal and whole elements of `dtype`.

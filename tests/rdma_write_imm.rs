@@ -5,9 +5,7 @@
 mod common;
 use common::handshake::{decode, encode, pair_line, swap};
 use common::*;
-use rdmacomm::verbs::{
-    self, CompletionQueue, DeviceChoice, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
-};
+use rdmacomm::verbs::{self, CompletionQueue, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
@@ -20,7 +18,7 @@ fn pattern(rank: usize, i: usize) -> u8 {
 fn rank_body() {
     let (rank, _) = rank_size();
     let coord = std::env::var("RDMACOMM_COORDINATOR").unwrap();
-    let (ctx, sel) = verbs::open(&DeviceChoice::from_env().unwrap()).unwrap();
+    let (ctx, sel) = verbs::open(&rdmacomm::config::device_from_env().unwrap()).unwrap();
     eprintln!(
         "rank {rank}: {} port {} GID[{}] {}",
         sel.device, sel.port, sel.gid_index, sel.gid

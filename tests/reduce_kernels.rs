@@ -155,17 +155,18 @@ fn every_dtype_and_op_matches_scalar_reference() {
 
 #[test]
 fn baseline_copy_matches_too() {
-    // The baseline copy is what a CPU without AVX2 runs; force it in a child process.
-    if std::env::var("RDMACOMM_SIMD").is_ok_and(|v| v == "baseline") {
+    // The baseline copy is what a CPU without AVX2 runs; force it in a child process (the
+    // choice is made once per process, and the other tests here made it).
+    if std::env::var("REDUCE_TEST_BASELINE").is_ok_and(|v| v == "1") {
         assert_eq!(
-            rdmacomm::reduce::simd_level(),
+            rdmacomm::reduce::choose_simd(true),
             rdmacomm::reduce::SimdLevel::Baseline
         );
         return run_all(0x0fed_cba9_8765_4321);
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["baseline_copy_matches_too", "--exact", "--nocapture"])
-        .env("RDMACOMM_SIMD", "baseline")
+        .env("REDUCE_TEST_BASELINE", "1")
         .output()
         .unwrap();
     assert!(

@@ -35,7 +35,7 @@ fn exchange(
     let ns = send.map_or(0, |s| pieces(s.len()));
     let nr = recv.as_ref().map_or(0, |r| pieces(r.len()));
     let (mut si, mut ri) = (0, 0);
-    let one_post = link.take_between_posts();
+    let one_post = link.takes_return_credits();
     link.begin();
     while si < ns || ri < nr {
         let mut did = false;
@@ -299,7 +299,7 @@ fn exchange_reduce(
         tmp.resize(seg.min(len), 0);
     }
     let (mut si, mut ri) = (0, 0);
-    let one_post = link.take_between_posts();
+    let one_post = link.takes_return_credits();
     link.begin();
     while si < pieces || ri < pieces {
         let mut did = false;

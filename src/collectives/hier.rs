@@ -6,7 +6,7 @@
 //! cross-host all_reduce that owns it and copied from there, so every rank gets the same bits.
 
 use crate::collectives::ring::{self, chunks};
-use crate::collectives::Algo;
+use crate::collectives::{tuning, Algo};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Peer, Result};
 use crate::transport::op::{OpDesc, Scope};
@@ -72,11 +72,11 @@ impl Link for View<'_> {
     fn max_chunk(&self) -> usize {
         self.link.max_chunk()
     }
-    fn doubling_max(&self) -> usize {
-        self.link.doubling_max()
+    fn medium(&self) -> crate::transport::Medium {
+        self.link.medium()
     }
-    fn take_between_posts(&self) -> bool {
-        self.link.take_between_posts()
+    fn takes_return_credits(&self) -> bool {
+        self.link.takes_return_credits()
     }
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
         self.link.try_post(self.ranks[peer], data)
@@ -112,7 +112,8 @@ pub fn all_reduce(
 ) -> Result<()> {
     let layout = link.hosts().and_then(|h| Layout::of(h, link.rank()));
     let Some(l) = layout else {
-        let algo = Algo::Auto.choose(link.size(), data.len(), link.doubling_max(), false, false);
+        let dmax = tuning::doubling_max(link.medium(), link.size());
+        let algo = Algo::Auto.choose(link.size(), data.len(), dmax, false, false);
         return flat(link, algo, op, dtype, data, scratch);
     };
     let es = dtype.size();
@@ -133,7 +134,8 @@ pub fn all_reduce(
             me: l.cross_index,
         };
         let part = &mut data[off..off + len];
-        let algo = Algo::Auto.choose(l.cross.len(), len, across.doubling_max(), false, false);
+        let dmax = tuning::doubling_max(across.medium(), l.cross.len());
+        let algo = Algo::Auto.choose(l.cross.len(), len, dmax, false, false);
         flat(&mut across, algo, op, dtype, part, scratch)?;
     }
     let mut host = View {

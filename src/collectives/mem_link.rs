@@ -83,6 +83,9 @@ impl Link for MemLink {
     fn max_chunk(&self) -> usize {
         self.chunk
     }
+    fn medium(&self) -> crate::transport::Medium {
+        crate::transport::Medium::Memory
+    }
     fn hosts(&self) -> Option<&[usize]> {
         self.hosts.as_deref()
     }

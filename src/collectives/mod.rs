@@ -6,6 +6,7 @@ pub mod halving;
 pub mod hier;
 pub mod p2p;
 pub mod ring;
+pub mod tuning;
 
 #[cfg(test)]
 mod algo_tests;
@@ -35,7 +36,7 @@ pub enum Algo {
 }
 
 /// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
-/// the link says otherwise ([`crate::transport::Link::doubling_max`]).
+/// [`tuning::doubling_max`] says otherwise for the link's medium.
 pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
 
 /// all_reduce buffers up to this many bytes take one step ([`Algo::Direct`]) under
@@ -68,8 +69,7 @@ impl Algo {
     }
 
     /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
-    /// recursive doubling wins up to `doubling_max` bytes
-    /// ([`crate::transport::Link::doubling_max`]) and whose peers share memory or not
+    /// recursive doubling wins up to `doubling_max` bytes ([`tuning::doubling_max`]) and whose peers share memory or not
     /// (`shared`): one step up to [`DIRECT_MAX_BYTES`] where they share it, doubling up to
     /// `doubling_max`, then hierarchical where the link's hosts form a regular layout
     /// (`layered`, [`hier::Layout`]), else halving-doubling, and the ring for non-powers of two

@@ -86,7 +86,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
     };
     let total = plan.steps * nseg;
     let (mut sent, mut recvd) = (0usize, 0usize);
-    let one_post = link.take_between_posts();
+    let one_post = link.takes_return_credits();
     link.begin();
     while recvd < total || sent < total {
         let mut did = false;
@@ -144,18 +144,8 @@ pub fn reduce_scatter(
     dtype: DType,
     data: &mut [u8],
 ) -> Result<()> {
-    let n = link.size();
-    let chunks = equal_chunks(data.len(), n);
-    // Step s sends chunk rank-1-s; after n-1 steps this rank holds its own chunk, complete.
-    let plan = Plan {
-        chunks,
-        reduce_steps: n - 1,
-        steps: n - 1,
-        shift: n - 1,
-        op: Some((op, dtype)),
-        esize: dtype.size(),
-    };
-    run(link, data, &plan)
+    let parts = equal_chunks(data.len(), link.size());
+    reduce_scatter_in(link, op, dtype, data, parts)
 }
 
 /// Reduce-scatter in place over `data` cut as `parts` (one part per rank): afterwards part
@@ -168,6 +158,7 @@ pub(crate) fn reduce_scatter_in(
     parts: Chunks,
 ) -> Result<()> {
     let n = link.size();
+    // Step s sends part rank-1-s; after n-1 steps this rank holds its own part, complete.
     let plan = Plan {
         chunks: parts,
         reduce_steps: n - 1,
@@ -194,17 +185,8 @@ pub(crate) fn all_gather_in(link: &mut dyn Link, data: &mut [u8], parts: Chunks)
 
 /// All-gather in place: `data` has `size` equal chunks, chunk `rank` filled by the caller.
 pub fn all_gather(link: &mut dyn Link, data: &mut [u8]) -> Result<()> {
-    let n = link.size();
-    let chunks = equal_chunks(data.len(), n);
-    let plan = Plan {
-        chunks,
-        reduce_steps: 0,
-        steps: n - 1,
-        shift: 0,
-        op: None,
-        esize: 1,
-    };
-    run(link, data, &plan)
+    let parts = equal_chunks(data.len(), link.size());
+    all_gather_in(link, data, parts)
 }
 
 #[cfg(test)]

@@ -153,16 +153,13 @@ impl Link for HybridTransport {
     fn max_chunk(&self) -> usize {
         self.net.max_chunk()
     }
-    fn doubling_max(&self) -> usize {
-        self.net.doubling_max()
-    }
-    fn slice_bytes(&self) -> usize {
-        self.net.slice_bytes()
+    fn medium(&self) -> crate::transport::Medium {
+        self.net.medium()
     }
     fn hosts(&self) -> Option<&[usize]> {
         Some(self.rings.hosts())
     }
-    fn take_between_posts(&self) -> bool {
+    fn takes_return_credits(&self) -> bool {
         // A take on a ring frees the peer's slot at once: its next post may be waiting for it.
         true
     }

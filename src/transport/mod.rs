@@ -30,17 +30,8 @@ pub trait Link {
     fn peer(&self, rank: usize) -> Peer;
     /// The largest chunk one post can carry.
     fn max_chunk(&self) -> usize;
-    /// The largest all_reduce (bytes) that `Algo::Auto` runs as recursive doubling over this
-    /// link, where one exchange of the whole vector beats halving-doubling's two.
-    fn doubling_max(&self) -> usize {
-        crate::comm::DOUBLING_MAX_BYTES
-    }
-    /// The largest all_reduce (bytes) run in one piece over this link: a larger one runs as
-    /// consecutive all_reduces of at most this many bytes, each finished while its data is
-    /// still in the cache (NCCL loops over its buffer in slices alike). Unbounded by default.
-    fn slice_bytes(&self) -> usize {
-        usize::MAX
-    }
+    /// What carries this link's chunks to its network peers (or to all, without a network).
+    fn medium(&self) -> Medium;
     /// Whether every peer is reached through memory this rank maps (shared memory): a copy to
     /// a peer then costs about what a local copy does.
     fn shares_memory(&self) -> bool {
@@ -52,9 +43,9 @@ pub trait Link {
     fn hosts(&self) -> Option<&[usize]> {
         None
     }
-    /// Whether a collective should try a take after every post instead of posting while it
-    /// can: true where taking returns the credits a peer's next posts wait for (RDMA).
-    fn take_between_posts(&self) -> bool {
+    /// Whether a take hands back what a peer's next post waits for (RDMA credits, a ring's
+    /// slot), so that a peer out of room is held up until this rank takes.
+    fn takes_return_credits(&self) -> bool {
         false
     }
     /// Posts `data` (at most `max_chunk` bytes) to `peer` if a slot is free; `Ok(false)` if not.
@@ -107,6 +98,20 @@ pub trait Link {
     fn finish(&mut self) -> Result<()> {
         Ok(())
     }
+}
+
+/// What carries a link's chunks: a fact transports report, from which the collectives choose
+/// their algorithms and thresholds ([`crate::collectives::tuning`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    /// RDMA writes (InfiniBand, RoCE, soft-RoCE).
+    Rdma,
+    /// TCP streams.
+    Tcp,
+    /// Shared memory between the ranks of one host.
+    SharedMemory,
+    /// Memory within one process (tests).
+    Memory,
 }
 
 /// Copies a chunk from `peer` into `dst`, whose length must be the chunk's (else the ranks

@@ -31,9 +31,7 @@
 //!   entry's end. r finds it by reading the tag in memory: no receive work request, no
 //!   completion to poll, and credits ride along as with an immediate. A writer that waits for
 //!   credits also reads them from mailbox chunks that arrived but are not taken yet, as it
-//!   would see an immediate's on polling. Measured (2 ranks, all_reduce, alternating rounds
-//!   against WRITE_WITH_IMM): 8 B on lo-rxe 38.5 -> 34.2, 37.9 -> 31.5, 31.7 -> 30.2 us in
-//!   three boots (8-32 B 2-17% faster), on veth 4-9% faster (one boot).
+//!   would see an immediate's on polling (measured: docs/DESIGN.md).
 
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
@@ -706,12 +704,12 @@ impl Link for RdmaTransport {
         self.layout.slot
     }
 
-    fn take_between_posts(&self) -> bool {
-        // A peer waits for our credits once its slots are full, and we return them only when
-        // we take; on rxe a post does its wire work in the caller (~40 ms per 2 MiB in the VM),
-        // so posting on first left the peer idle: 32 MiB all_reduce, 2 ranks on lo-rxe, busbw
-        // 36-38 MB/s posting first, 51-52 taking between posts (three alternating runs in one
-        // boot; 64 MiB 35-40 against 45-50; 16 MiB and below, which fit the slots, unchanged).
+    fn medium(&self) -> super::Medium {
+        super::Medium::Rdma
+    }
+
+    fn takes_return_credits(&self) -> bool {
+        // A peer waits for our credits once its slots are full; we return them only as we take.
         true
     }
 

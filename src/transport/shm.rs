@@ -114,7 +114,11 @@ impl Link for ShmTransport {
         true
     }
 
-    fn take_between_posts(&self) -> bool {
+    fn medium(&self) -> crate::transport::Medium {
+        crate::transport::Medium::SharedMemory
+    }
+
+    fn takes_return_credits(&self) -> bool {
         // A take frees the peer's slot at once: its next post may be waiting for it.
         true
     }

@@ -58,11 +58,8 @@ impl OutQueue {
 }
 
 /// Bytes of a frame's header: the payload's length (u32, little-endian), then zeros. 64, so that
-/// payloads start 64-byte aligned in the socket's pages. Measured on loopback, 2 ranks, minima of
-/// 8 alternating runs, all_reduce, 64-byte vs 4-byte header (chunks of 65408 and 65472 bytes, each
-/// filling one segment with its header): 512 KiB 147 vs 173 us, 1 MiB 217 vs 232, 2 MiB 372 vs
-/// 440, 4 MiB 747 vs 1024 (a 4-byte header with 65408-byte chunks: as slow as the 4-byte one);
-/// the alignment of the user's buffer made no difference.
+/// payloads start 64-byte aligned in the socket's pages (measured: docs/DESIGN.md, "Measured
+/// reasons in the code").
 const HDR: usize = 64;
 
 /// Where the operation's descriptor ([`op::WIRE`] bytes) sits in a frame's header.
@@ -132,9 +129,6 @@ impl InQueue {
         &mut self.buf[self.end..]
     }
 }
-
-/// Bytes of an all_reduce run in one piece ([`Link::slice_bytes`]).
-const SLICE: usize = 2 << 20;
 
 /// How long an idle rank yields its core before blocking in poll(2).
 const YIELD_FOR: Duration = Duration::from_micros(200);
@@ -620,26 +614,8 @@ impl Link for TcpTransport {
         self.max_chunk
     }
 
-    fn doubling_max(&self) -> usize {
-        // Two ranks: one exchange of the whole vector beats or ties two half-size rounds up to
-        // here (loopback, alternating runs, doubling vs halving, quiet host: 128 KiB 46 vs
-        // 48-50 us, 256 KiB 81-84 vs 82-85; 512 KiB loses, 150-154 vs 137-138, and 372-388 vs
-        // 358-375 while the host ran slow).
-        if self.n == 2 {
-            256 << 10
-        } else {
-            crate::comm::DOUBLING_MAX_BYTES
-        }
-    }
-
-    fn slice_bytes(&self) -> usize {
-        // Reduced and gathered within 2 MiB, a slice's bytes are still in the cache when they
-        // are sent on, where one pass over a larger buffer reads them back from memory.
-        // Loopback, alternating runs, 2 ranks, unsliced vs 2 MiB slices: 8 MiB 2.4-2.8 vs
-        // 2.0-2.2 ms, 16 MiB 6.0-6.2 vs 4.1-5.1, 32 MiB 15.6-15.8 vs 8.7-11.5; 4 MiB alike
-        // (0.81-0.90 vs 0.78-0.95); 4 ranks (three rounds, one slow) 16 MiB 21-26 vs 15-28 ms,
-        // 32 MiB 54-58 vs 27-44. 1 MiB slices measured alike at 2 ranks, 4 MiB slices slower.
-        SLICE
+    fn medium(&self) -> super::Medium {
+        super::Medium::Tcp
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
@@ -841,9 +817,7 @@ impl Link for TcpTransport {
         }
         // Spin briefly (not at all when more local ranks than cores share the CPU), then yield
         // the core to whichever local rank has work, and only after 200 us of idleness block in
-        // poll(2), which wakes as soon as data arrives: no core burnt on a long wait. Measured
-        // (loopback, medians of 5 alternating runs): 4 ranks on 2 cores, 8 B all_reduce 36 us
-        // with yielding against 69 us spinning 5 us then blocking; 64 KiB 120 us against 206 us.
+        // poll(2), which wakes as soon as data arrives: no core burnt on a long wait.
         match self.pacer.idle() {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),

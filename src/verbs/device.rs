@@ -25,36 +25,6 @@ pub struct DeviceChoice {
     pub gid_index: Option<u32>,
 }
 
-impl DeviceChoice {
-    /// Reads `RDMACOMM_IB_DEVICE`, `RDMACOMM_IB_PORT`, `RDMACOMM_GID_INDEX`.
-    pub fn from_env() -> Result<Self> {
-        let num = |name: &str| -> Result<Option<u32>> {
-            match std::env::var(name) {
-                Ok(v) if !v.is_empty() => v.trim().parse::<u32>().map(Some).map_err(|_| {
-                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
-                }),
-                _ => Ok(None),
-            }
-        };
-        let port = match num("RDMACOMM_IB_PORT")? {
-            Some(p) if (1..=255).contains(&p) => Some(p as u8),
-            Some(p) => {
-                return Err(Error::Config(format!(
-                    "RDMACOMM_IB_PORT={p}: ports are numbered from 1"
-                )))
-            }
-            None => None,
-        };
-        Ok(DeviceChoice {
-            device: std::env::var("RDMACOMM_IB_DEVICE")
-                .ok()
-                .filter(|s| !s.is_empty()),
-            port,
-            gid_index: num("RDMACOMM_GID_INDEX")?,
-        })
-    }
-}
-
 /// Makes registered memory safe across `fork()` (a data-loader worker, a `Command`) before the
 /// first verbs object exists: libibverbs then keeps registered pages out of children (kernels
 /// since 5.13 copy them on fork and need nothing; the call then changes nothing).

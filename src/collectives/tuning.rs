@@ -1,0 +1,43 @@
+//! Thresholds the algorithm choice takes from what a link is ([`Medium`], a fact the transport
+//! reports), in one place: transports say what they are, the collectives decide. The
+//! measurements behind each number are in docs/DESIGN.md ("Algorithm choice").
+
+use crate::collectives::DOUBLING_MAX_BYTES;
+use crate::transport::Medium;
+
+/// The largest all_reduce (bytes) that `Algo::Auto` runs as recursive doubling on `n` ranks
+/// over `medium`, where one exchange of the whole vector beats halving-doubling's two.
+pub fn doubling_max(medium: Medium, n: usize) -> usize {
+    match medium {
+        // Two ranks over TCP: doubling ties or wins up to 256 KiB on loopback.
+        Medium::Tcp if n == 2 => 256 << 10,
+        _ => DOUBLING_MAX_BYTES,
+    }
+}
+
+/// The largest all_reduce (bytes) run in one piece over `medium`: a larger one runs as
+/// consecutive all_reduces of at most this many bytes, each reduced and sent on while its bytes
+/// are still in the cache (NCCL loops over its buffer in slices alike).
+pub fn slice_bytes(medium: Medium) -> usize {
+    match medium {
+        // TCP copies every byte through the kernel: 2 MiB slices keep them cached.
+        Medium::Tcp => 2 << 20,
+        _ => usize::MAX,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thresholds_by_medium() {
+        assert_eq!(doubling_max(Medium::Tcp, 2), 256 << 10);
+        assert_eq!(doubling_max(Medium::Tcp, 4), DOUBLING_MAX_BYTES);
+        for m in [Medium::Rdma, Medium::SharedMemory, Medium::Memory] {
+            assert_eq!(doubling_max(m, 2), DOUBLING_MAX_BYTES);
+            assert_eq!(slice_bytes(m), usize::MAX);
+        }
+        assert_eq!(slice_bytes(Medium::Tcp), 2 << 20);
+    }
+}
