@@ -157,6 +157,25 @@ fn body() {
             }
         }
     }
+    // Every reduction of every dtype over the wire (the loop above runs two per dtype, with
+    // every algorithm): auto's choice at a short length and past the doubling range.
+    for dtype in DType::ALL {
+        for op in AllReduce::ALL {
+            if op == AllReduce::Sum || op == other_op(dtype) {
+                continue;
+            }
+            for elems in [7usize, 20_000] {
+                let mut data = fill(dtype, op, r, elems);
+                c.all_reduce(op, dtype, &mut data)
+                    .unwrap_or_else(|e| panic!("rank {r}: all_reduce: {e}"));
+                let what = format!("auto all_reduce {} {} x{elems}", dtype.name(), op.name());
+                if let Err(e) = check_all_reduce(dtype, op, n, &data) {
+                    panic!("rank {r}: {what}: {e}");
+                }
+                same_everywhere(&c, &what, &data);
+            }
+        }
+    }
     // Operand order: under Min, op(+0, -0) and op(-0, +0) differ in sign; under Sum, two NaNs
     // yield the payload of one of them. Ranks that combined in different orders would end with
     // different bits, so every algorithm must combine alike everywhere.

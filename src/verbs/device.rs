@@ -264,3 +264,38 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
         problems.join("; ")
     )))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv6Addr;
+
+    fn gid(a: &str) -> Gid {
+        Gid::from(a.parse::<Ipv6Addr>().unwrap())
+    }
+
+    #[test]
+    fn gids_are_preferred_as_nccl_does() {
+        let link_local = gid("fe80::1");
+        let v4 = gid("::ffff:192.0.2.1");
+        let global = gid("2001:db8::1");
+        // (index, GID, RoCE v2): a v2 IPv4-mapped GID first, wherever it stands.
+        let table = [
+            (0, link_local, false),
+            (1, link_local, true),
+            (2, global, false),
+            (3, global, true),
+            (4, v4, false),
+            (5, v4, true),
+        ];
+        assert_eq!(pick_gid(&table).map(|g| g.0), Some(5));
+        // Then RoCE v2 not link-local, then any not link-local, then the first.
+        assert_eq!(pick_gid(&table[..5]).map(|g| g.0), Some(3));
+        assert_eq!(
+            pick_gid(&[table[0], table[1], table[2], table[4]]).map(|g| g.0),
+            Some(2)
+        );
+        assert_eq!(pick_gid(&table[..2]).map(|g| g.0), Some(0));
+        assert!(pick_gid(&[]).is_none());
+    }
+}
