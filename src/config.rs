@@ -80,16 +80,20 @@ impl std::fmt::Debug for Secret {
 /// Slurm's job and step ids, PMIx's namespace (Open MPI); empty when none is set. Ranks of
 /// another job that reach this job's rendezvous are ignored.
 pub fn job_id_from_env() -> String {
-    if let Some(v) = env("RDMACOMM_JOB_ID") {
+    job_id_from(&env)
+}
+
+fn job_id_from(get: Lookup) -> String {
+    if let Some(v) = get("RDMACOMM_JOB_ID") {
         return v;
     }
-    if let Some(v) = env("TORCHELASTIC_RUN_ID") {
+    if let Some(v) = get("TORCHELASTIC_RUN_ID") {
         return format!("torchelastic:{v}");
     }
-    if let Some(j) = env("SLURM_JOB_ID") {
-        return format!("slurm:{j}.{}", env("SLURM_STEP_ID").unwrap_or_default());
+    if let Some(j) = get("SLURM_JOB_ID") {
+        return format!("slurm:{j}.{}", get("SLURM_STEP_ID").unwrap_or_default());
     }
-    if let Some(ns) = env("PMIX_NAMESPACE") {
+    if let Some(ns) = get("PMIX_NAMESPACE") {
         return format!("pmix:{ns}");
     }
     String::new()
@@ -295,20 +299,27 @@ pub fn host_id() -> String {
 
 /// The launcher's count of ranks on this host, if it gives one (see [`Config::local_world`]).
 fn local_world_from_env(world_size: usize) -> Result<Option<usize>> {
+    local_world_from(&env, world_size)
+}
+
+fn local_world_from(get: Lookup, world_size: usize) -> Result<Option<usize>> {
     for name in [
         "LOCAL_WORLD_SIZE",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
         "MPI_LOCALNRANKS",
     ] {
-        if let Some(v) = env(name) {
+        if let Some(v) = get(name) {
             return parse_num(name, &v).map(Some);
         }
     }
-    Ok((env("SLURM_JOB_NUM_NODES").as_deref() == Some("1")).then_some(world_size))
+    Ok((get("SLURM_JOB_NUM_NODES").as_deref() == Some("1")).then_some(world_size))
 }
 
-fn pair(r: &str, s: &str) -> Result<Option<(usize, usize)>> {
-    match (env(r), env(s)) {
+/// A variable's value as a lookup gives it (the environment, or a table in tests).
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn pair(get: Lookup, r: &str, s: &str) -> Result<Option<(usize, usize)>> {
+    match (get(r), get(s)) {
         (Some(a), Some(b)) => Ok(Some((parse_num(r, &a)?, parse_num(s, &b)?))),
         (Some(_), None) => Err(Error::Config(format!("{r} is set but {s} is not"))),
         (None, Some(_)) => Err(Error::Config(format!("{s} is set but {r} is not"))),
@@ -511,41 +522,50 @@ impl Config {
 
     /// This rank's identity from the environment: rank, world size and coordinator.
     pub fn identity_from_env() -> Result<(usize, usize, String)> {
-        let (rank, size) = if let Some(p) = pair("RDMACOMM_RANK", "RDMACOMM_WORLD_SIZE")? {
-            p
-        } else if let Some(p) = pair("RANK", "WORLD_SIZE")? {
-            p
-        } else if let Some(p) = pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
-            p
-        } else if let Some(p) = pair("PMI_RANK", "PMI_SIZE")? {
-            p
-        } else {
-            pair("SLURM_PROCID", "SLURM_NTASKS")?.unwrap_or((0, 1))
-        };
-        let coordinator = match env("RDMACOMM_COORDINATOR") {
-            Some(c) => c,
-            None => match env("MASTER_ADDR") {
-                Some(a) => {
-                    let port = env("MASTER_PORT").unwrap_or_else(|| "29500".into());
-                    // An IPv6 literal meets its port in brackets.
-                    if a.contains(':') && !a.starts_with('[') {
-                        format!("[{a}]:{port}")
-                    } else {
-                        format!("{a}:{port}")
-                    }
-                }
-                None if size == 1 => String::new(),
-                None => {
-                    return Err(Error::Config(format!(
-                        "rank {rank} of {size}: no coordinator address; set RDMACOMM_COORDINATOR=host:port \
-                         or MASTER_ADDR (and MASTER_PORT)"
-                    )))
-                }
-            },
-        };
-        Ok((rank, size, coordinator))
+        identity_from(&env)
     }
+}
 
+/// This rank's identity from the launcher's variables as `get` reads them: rdmacomm's own,
+/// torchrun's, Open MPI's, PMI's, then Slurm's; the coordinator from `RDMACOMM_COORDINATOR`,
+/// else `MASTER_ADDR` and `MASTER_PORT` (29500).
+fn identity_from(get: Lookup) -> Result<(usize, usize, String)> {
+    let (rank, size) = if let Some(p) = pair(get, "RDMACOMM_RANK", "RDMACOMM_WORLD_SIZE")? {
+        p
+    } else if let Some(p) = pair(get, "RANK", "WORLD_SIZE")? {
+        p
+    } else if let Some(p) = pair(get, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
+        p
+    } else if let Some(p) = pair(get, "PMI_RANK", "PMI_SIZE")? {
+        p
+    } else {
+        pair(get, "SLURM_PROCID", "SLURM_NTASKS")?.unwrap_or((0, 1))
+    };
+    let coordinator = match get("RDMACOMM_COORDINATOR") {
+        Some(c) => c,
+        None => match get("MASTER_ADDR") {
+            Some(a) => {
+                let port = get("MASTER_PORT").unwrap_or_else(|| "29500".into());
+                // An IPv6 literal meets its port in brackets.
+                if a.contains(':') && !a.starts_with('[') {
+                    format!("[{a}]:{port}")
+                } else {
+                    format!("{a}:{port}")
+                }
+            }
+            None if size == 1 => String::new(),
+            None => {
+                return Err(Error::Config(format!(
+                    "rank {rank} of {size}: no coordinator address; set RDMACOMM_COORDINATOR=host:port \
+                     or MASTER_ADDR (and MASTER_PORT)"
+                )))
+            }
+        },
+    };
+    Ok((rank, size, coordinator))
+}
+
+impl Config {
     /// Checks ranges and geometry.
     pub fn validate(&self) -> Result<()> {
         if self.world_size == 0 {
@@ -656,6 +676,84 @@ mod tests {
         let d = Config::defaults(0, 2, "127.0.0.1:1");
         assert!(d.validate().is_ok());
         assert!(d.shared_settings().contains("RDMACOMM_ALGO=auto"));
+    }
+
+    /// A lookup over `vars` only (the process's environment untouched).
+    fn table(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn each_launchers_variables_on_their_own() {
+        let slurm = table(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_JOB_ID", "4711"),
+            ("SLURM_STEP_ID", "2"),
+            ("SLURM_JOB_NUM_NODES", "2"),
+            ("MASTER_ADDR", "node17"),
+        ]);
+        assert_eq!(
+            identity_from(&slurm).unwrap(),
+            (3, 8, "node17:29500".to_string())
+        );
+        assert_eq!(job_id_from(&slurm), "slurm:4711.2");
+        assert_eq!(local_world_from(&slurm, 8).unwrap(), None, "two nodes");
+        let one_node = table(&[("SLURM_JOB_NUM_NODES", "1")]);
+        assert_eq!(local_world_from(&one_node, 8).unwrap(), Some(8));
+        let ompi = table(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMIX_NAMESPACE", "prterun-x-1@1"),
+            ("RDMACOMM_COORDINATOR", "10.0.0.1:5000"),
+        ]);
+        assert_eq!(
+            identity_from(&ompi).unwrap(),
+            (1, 4, "10.0.0.1:5000".to_string())
+        );
+        assert_eq!(job_id_from(&ompi), "pmix:prterun-x-1@1");
+        assert_eq!(local_world_from(&ompi, 4).unwrap(), Some(2));
+        let pmi = table(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ("MASTER_ADDR", "::1")]);
+        assert_eq!(
+            identity_from(&pmi).unwrap(),
+            (0, 2, "[::1]:29500".to_string())
+        );
+        // torchrun's variables come before the MPI ones; rdmacomm's before all.
+        let both = table(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "3"),
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "9"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "7"),
+            ("TORCHELASTIC_RUN_ID", "run5"),
+        ]);
+        assert_eq!(identity_from(&both).unwrap(), (2, 3, "h:7".to_string()));
+        assert_eq!(job_id_from(&both), "torchelastic:run5");
+        let own = table(&[
+            ("RDMACOMM_RANK", "1"),
+            ("RDMACOMM_WORLD_SIZE", "2"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "5"),
+            ("MASTER_ADDR", "h"),
+        ]);
+        assert_eq!(identity_from(&own).unwrap().0, 1);
+        // Half a pair, or no coordinator for a world of several, is named.
+        let half = table(&[("SLURM_PROCID", "1")]);
+        let e = identity_from(&half).unwrap_err().to_string();
+        assert!(
+            e.contains("SLURM_PROCID is set but SLURM_NTASKS is not"),
+            "{e}"
+        );
+        let lost = table(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2")]);
+        let e = identity_from(&lost).unwrap_err().to_string();
+        assert!(e.contains("no coordinator address"), "{e}");
+        assert_eq!(identity_from(&table(&[])).unwrap(), (0, 1, String::new()));
     }
 
     #[test]
