@@ -167,6 +167,48 @@ fn tensor_body() {
             }
         }
     }
+    // A 3-D tensor on every dim, values checked element by element by index arithmetic:
+    // all_gather concatenates the ranks' tensors along `dim`; reduce_scatter of a tensor n
+    // times longer along `dim` leaves rank r the sum of every rank's r-th block along it.
+    let dims = [2usize, 3, 4];
+    let at = |ix: [usize; 3], shape: [usize; 3]| (ix[0] * shape[1] + ix[1]) * shape[2] + ix[2];
+    let v3 = |q: usize, ix: [usize; 3]| (q * 1000 + ix[0] * 100 + ix[1] * 10 + ix[2]) as i32;
+    let grid = |shape: [usize; 3]| {
+        (0..shape[0]).flat_map(move |a| {
+            (0..shape[1]).flat_map(move |b| (0..shape[2]).map(move |c| [a, b, c]))
+        })
+    };
+    let mine3: Vec<i32> = grid(dims).map(|ix| v3(r, ix)).collect();
+    let x3 = Tensor::from_slice(&mine3, &dims).unwrap();
+    for dim in 0..3 {
+        let g = t.all_gather(&x3, dim).unwrap();
+        let mut gshape = dims;
+        gshape[dim] *= n;
+        assert_eq!(g.shape(), &gshape[..]);
+        let gv = g.to_vec::<i32>().unwrap();
+        for ix in grid(gshape) {
+            let (q, mut local) = (ix[dim] / dims[dim], ix);
+            local[dim] %= dims[dim];
+            assert_eq!(
+                gv[at(ix, gshape)],
+                v3(q, local),
+                "all_gather dim {dim} at {ix:?}"
+            );
+        }
+        let mut big = dims;
+        big[dim] *= n;
+        let y3 =
+            Tensor::from_slice(&grid(big).map(|ix| v3(r, ix)).collect::<Vec<i32>>(), &big).unwrap();
+        let s3 = t.reduce_scatter(&y3, ReduceOp::Sum, dim).unwrap();
+        assert_eq!(s3.shape(), &dims[..]);
+        let sv = s3.to_vec::<i32>().unwrap();
+        for ix in grid(dims) {
+            let mut src = ix;
+            src[dim] += r * dims[dim];
+            let want: i32 = (0..n).map(|q| v3(q, src)).sum();
+            assert_eq!(sv[at(ix, dims)], want, "reduce_scatter dim {dim} at {ix:?}");
+        }
+    }
     let bad = Tensor::from_slice(&vec![0f32; 2 * (n + 1)], &[2, n + 1]).unwrap();
     let e = t
         .reduce_scatter(&bad, ReduceOp::Sum, 1)

@@ -339,11 +339,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     let cap = sizes.iter().copied().max().unwrap_or(0);
     let mut a = vec![0u8; cap];
     let mut b = vec![0u8; cap];
-    let bus = match o.coll.as_str() {
-        "all_reduce" => 2.0 * (n as f64 - 1.0) / n as f64,
-        "all_gather" | "sum_scatter" => (n as f64 - 1.0) / n as f64,
-        _ => 1.0,
-    };
+    let bus = bus_factor(&o.coll, n);
     if r == 0 {
         println!(
             "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}, copy {:?}{}",
@@ -429,5 +425,33 @@ fn main() {
             );
         }
         std::process::exit(1);
+    }
+}
+
+/// busbw / algbw for a collective on `n` ranks, as nccl-tests define it: what each rank's link
+/// carries relative to the buffer (all_reduce 2(n-1)/n; all_gather and reduce-scatter (n-1)/n;
+/// broadcast and point-to-point 1).
+fn bus_factor(coll: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match coll {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "all_gather" | "sum_scatter" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bus_factor;
+
+    #[test]
+    fn bus_factors_are_nccl_tests() {
+        assert_eq!(bus_factor("all_reduce", 2), 1.0);
+        assert_eq!(bus_factor("all_reduce", 4), 1.5);
+        assert_eq!(bus_factor("all_reduce", 8), 1.75);
+        assert_eq!(bus_factor("all_gather", 4), 0.75);
+        assert_eq!(bus_factor("sum_scatter", 2), 0.5);
+        assert_eq!(bus_factor("broadcast", 8), 1.0);
+        assert_eq!(bus_factor("sendrecv", 2), 1.0);
     }
 }

@@ -579,3 +579,43 @@ pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u3
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_on_another_transport_is_named() {
+        let card = |t: u32| t.to_le_bytes().to_vec();
+        let addrs: Vec<String> = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+            .map(String::from)
+            .into();
+        let same = vec![card(TAG_RDMA); 3];
+        assert!(check_tags(&same, &addrs, 0, TAG_RDMA).is_ok());
+        for (other, name) in [
+            (TAG_TCP, "uses TCP"),
+            (TAG_SHM, "uses shared memory"),
+            (TAG_HYBRID, "uses RDMA or TCP with shared memory"),
+            (7, "uses an unknown transport"),
+        ] {
+            let mixed = vec![card(TAG_RDMA), card(TAG_RDMA), card(other)];
+            let e = check_tags(&mixed, &addrs, 1, TAG_RDMA)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("rank 2 (10.0.0.3)")
+                    && e.contains(name)
+                    && e.contains("rank 1 uses RDMA"),
+                "{e}"
+            );
+        }
+        let empty = vec![card(TAG_TCP), Vec::new()];
+        let e = check_tags(&empty, &addrs[..2], 0, TAG_TCP)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 1") && e.contains("unknown transport"),
+            "{e}"
+        );
+    }
+}
