@@ -41,4 +41,4 @@ pub use config::Config;
 pub use dtype::{AllReduce, DType};
 pub use error::{Error, Peer, Result};
 pub use group::Group;
-pub use tensor::{CommInfo, IdentityComm, ReduceOp, Tensor};
+pub use tensor::{CommInfo, GraphId, IdentityComm, ReduceOp, Tensor};

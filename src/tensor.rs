@@ -1,5 +1,6 @@
-//! The tensor-level API (`../shared/spec/communicator-tensor.txt`): a [`Tensor`] of the crate's
-//! own, the tensor-level [`Communicator`] trait, and [`IdentityComm`].
+//! The tensor-level API (the tensor spec's): a [`Tensor`] of the crate's own, which belongs to
+//! a graph ([`GraphId`]), the tensor-level [`Communicator`] trait, and [`IdentityComm`]. Results
+//! are materialised on the caller's graph; tensors of different graphs do not combine.
 //!
 //! Every byte-level [`crate::Communicator`] (RDMA, TCP, identity) serves this trait through one
 //! blanket adapter (below), not a second implementation: dims other than 0 are handled by a
@@ -20,22 +21,81 @@ macro_rules! element {
 element!(f32 => f32, f64 => f64, half::f16 => f16, half::bf16 => bf16, i8 => i8, u8 => u8, i32 => i32,
     u32 => u32, i64 => i64, u64 => u64);
 
-/// A dense, row-major tensor: shape, dtype and contiguous bytes.
+/// The graph a tensor belongs to (the spec's `graph_id`): tensors combine only within one graph,
+/// and a collective's result is materialised on its input's graph, never on a fresh one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphId(u64);
+
+impl GraphId {
+    /// The graph of tensors made without one ([`Tensor::from_slice`], [`Tensor::zeros`], ...).
+    pub const DEFAULT: GraphId = GraphId(0);
+
+    /// A new graph, distinct from every other made in this process.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> GraphId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        GraphId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The graph's number.
+    pub fn id(self) -> u64 {
+        self.0
+    }
+}
+
+/// A dense, row-major tensor of one graph: shape, dtype and contiguous bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
     data: Vec<u8>,
+    graph: GraphId,
 }
 
 impl Tensor {
-    /// A tensor of `shape` from typed values (`values.len()` must be the shape's product).
+    /// A tensor of `shape` from typed values (`values.len()` must be the shape's product), on
+    /// the default graph.
     pub fn from_slice<T: Element>(values: &[T], shape: &[usize]) -> Result<Tensor> {
-        Tensor::from_bytes(T::DTYPE, shape, bytemuck::cast_slice(values).to_vec())
+        Tensor::from_slice_on(GraphId::DEFAULT, values, shape)
     }
 
-    /// A tensor of `shape` and `dtype` over row-major bytes.
+    /// [`Tensor::from_slice`] on `graph`.
+    pub fn from_slice_on<T: Element>(
+        graph: GraphId,
+        values: &[T],
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        Tensor::from_bytes_on(
+            graph,
+            T::DTYPE,
+            shape,
+            bytemuck::cast_slice(values).to_vec(),
+        )
+    }
+
+    /// An f32 tensor of `shape` on `graph` (the spec's `from_f32_on`).
+    pub fn from_f32_on(graph: GraphId, values: &[f32], shape: &[usize]) -> Result<Tensor> {
+        Tensor::from_slice_on(graph, values, shape)
+    }
+
+    /// An f32 tensor of this one's shape and graph holding `values` (the spec's
+    /// `const_f32_like`).
+    pub fn const_f32_like(&self, values: &[f32]) -> Result<Tensor> {
+        Tensor::from_f32_on(self.graph, values, &self.shape)
+    }
+
+    /// A tensor of `shape` and `dtype` over row-major bytes, on the default graph.
     pub fn from_bytes(dtype: DType, shape: &[usize], data: Vec<u8>) -> Result<Tensor> {
+        Tensor::from_bytes_on(GraphId::DEFAULT, dtype, shape, data)
+    }
+
+    /// [`Tensor::from_bytes`] on `graph`.
+    pub fn from_bytes_on(
+        graph: GraphId,
+        dtype: DType,
+        shape: &[usize],
+        data: Vec<u8>,
+    ) -> Result<Tensor> {
         let numel: usize = shape.iter().product();
         if data.len() != numel * dtype.size() {
             return Err(Error::InvalidArgument(format!(
@@ -49,17 +109,76 @@ impl Tensor {
             shape: shape.to_vec(),
             dtype,
             data,
+            graph,
         })
     }
 
-    /// Zeros of `shape` and `dtype`.
+    /// Zeros of `shape` and `dtype`, on the default graph.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Tensor {
         let numel: usize = shape.iter().product();
         Tensor {
             shape: shape.to_vec(),
             dtype,
             data: vec![0; numel * dtype.size()],
+            graph: GraphId::DEFAULT,
         }
+    }
+
+    /// The graph this tensor belongs to.
+    pub fn graph(&self) -> GraphId {
+        self.graph
+    }
+
+    /// Concatenation of `tensors` along `dim` (torch's `cat`): all of one graph, dtype and
+    /// shape but along `dim`; the result is on their graph.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming what differs: the graphs, dtypes or shapes, or an empty list.
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {
+        let Some(first) = tensors.first() else {
+            return Err(Error::InvalidArgument("cat of no tensors".into()));
+        };
+        first.check_dim(dim, "cat")?;
+        for (i, t) in tensors.iter().enumerate().skip(1) {
+            first.same_graph(t, "cat")?;
+            let mut a = first.shape.clone();
+            let mut b = t.shape.clone();
+            if a.len() == b.len() {
+                a[dim] = 0;
+                b[dim] = 0;
+            }
+            if t.dtype != first.dtype || a != b {
+                return Err(Error::InvalidArgument(format!(
+                    "cat along dim {dim}: tensor {i} is {} {:?}, tensor 0 {} {:?}",
+                    t.dtype.name(),
+                    t.shape,
+                    first.dtype.name(),
+                    first.shape
+                )));
+            }
+        }
+        let outer: usize = first.shape[..dim].iter().product();
+        let mut data = Vec::with_capacity(tensors.iter().map(|t| t.data.len()).sum());
+        for o in 0..outer {
+            for t in tensors {
+                let (_, slab) = t.split_at(dim);
+                data.extend_from_slice(&t.data[o * slab..(o + 1) * slab]);
+            }
+        }
+        let mut shape = first.shape.clone();
+        shape[dim] = tensors.iter().map(|t| t.shape[dim]).sum();
+        Tensor::from_bytes_on(first.graph, first.dtype, &shape, data)
+    }
+
+    /// An error unless `other` is on this tensor's graph.
+    fn same_graph(&self, other: &Tensor, what: &str) -> Result<()> {
+        if self.graph != other.graph {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: tensors of graphs {} and {} cannot be combined",
+                self.graph.0, other.graph.0
+            )));
+        }
+        Ok(())
     }
 
     /// The shape.
@@ -229,7 +348,7 @@ impl<C: crate::Communicator + ?Sized> Communicator for C {
         }
         let mut shape = tensor.shape.clone();
         shape[dim] *= n;
-        Tensor::from_bytes(tensor.dtype, &shape, data)
+        Tensor::from_bytes_on(tensor.graph, tensor.dtype, &shape, data)
     }
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp, dim: usize) -> Result<Tensor> {
@@ -263,7 +382,7 @@ impl<C: crate::Communicator + ?Sized> Communicator for C {
             crate::Communicator::all_reduce(self, base, tensor.dtype, &mut parts)?;
             data.copy_from_slice(&parts[r * mine..(r + 1) * mine]);
         }
-        let mut out = Tensor::from_bytes(tensor.dtype, &shape, data)?;
+        let mut out = Tensor::from_bytes_on(tensor.graph, tensor.dtype, &shape, data)?;
         if op == ReduceOp::Avg {
             divide(&mut out, n);
         }
@@ -309,5 +428,54 @@ impl crate::Communicator for IdentityComm {
     }
     fn split(&self, _color: i32, _key: i32) -> Result<std::sync::Arc<dyn crate::Communicator>> {
         Ok(std::sync::Arc::new(IdentityComm))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_combine_within_a_graph_only() {
+        let g = GraphId::new();
+        assert_ne!(g, GraphId::DEFAULT);
+        assert_ne!(g, GraphId::new());
+        let a = Tensor::from_f32_on(g, &[1.0, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+        let b = a.const_f32_like(&[5.0, 6.0, 7.0, 8.0]).unwrap();
+        assert_eq!((b.graph(), b.shape()), (g, &[2usize, 2][..]));
+        let c = Tensor::cat(&[&a, &b], 1).unwrap();
+        assert_eq!(c.graph(), g);
+        assert_eq!(c.shape(), &[2, 4]);
+        assert_eq!(
+            c.to_vec::<f32>().unwrap(),
+            vec![1.0, 2.0, 5.0, 6.0, 3.0, 4.0, 7.0, 8.0]
+        );
+        let r0 = Tensor::cat(&[&a, &b], 0).unwrap();
+        assert_eq!(r0.to_vec::<f32>().unwrap()[4..], [5.0, 6.0, 7.0, 8.0]);
+        let other = Tensor::from_slice(&[9.0f32, 9.0, 9.0, 9.0], &[2, 2]).unwrap();
+        let e = Tensor::cat(&[&a, &other], 0).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("graphs {} and 0", g.id())) && e.contains("cannot be combined"),
+            "{e}"
+        );
+        let wrong = Tensor::from_slice_on(g, &[1i32, 2], &[1, 2]).unwrap();
+        assert!(Tensor::cat(&[&a, &wrong], 0).is_err(), "another dtype");
+        assert!(a.const_f32_like(&[1.0]).is_err(), "too few values");
+    }
+
+    #[test]
+    fn collectives_materialise_on_the_callers_graph() {
+        use crate::tensor::Communicator as _;
+        let g = GraphId::new();
+        let x = Tensor::from_slice_on(g, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+        let c = IdentityComm;
+        for t in [
+            c.all_reduce(&x, ReduceOp::Sum).unwrap(),
+            c.all_gather(&x, 1).unwrap(),
+            c.reduce_scatter(&x, ReduceOp::Max, 0).unwrap(),
+            c.broadcast(&x, 0).unwrap(),
+        ] {
+            assert_eq!(t.graph(), g);
+        }
     }
 }

@@ -179,9 +179,14 @@ fn tensor_body() {
         })
     };
     let mine3: Vec<i32> = grid(dims).map(|ix| v3(r, ix)).collect();
-    let x3 = Tensor::from_slice(&mine3, &dims).unwrap();
+    // On a graph of its own: every result must come back on it.
+    let graph = rdmacomm::GraphId::new();
+    let x3 = Tensor::from_slice_on(graph, &mine3, &dims).unwrap();
+    assert_eq!(t.all_reduce(&x3, ReduceOp::Sum).unwrap().graph(), graph);
+    assert_eq!(t.broadcast(&x3, 0).unwrap().graph(), graph);
     for dim in 0..3 {
         let g = t.all_gather(&x3, dim).unwrap();
+        assert_eq!(g.graph(), graph, "all_gather dim {dim}");
         let mut gshape = dims;
         gshape[dim] *= n;
         assert_eq!(g.shape(), &gshape[..]);
@@ -197,9 +202,10 @@ fn tensor_body() {
         }
         let mut big = dims;
         big[dim] *= n;
-        let y3 =
-            Tensor::from_slice(&grid(big).map(|ix| v3(r, ix)).collect::<Vec<i32>>(), &big).unwrap();
+        let values: Vec<i32> = grid(big).map(|ix| v3(r, ix)).collect();
+        let y3 = Tensor::from_slice_on(graph, &values, &big).unwrap();
         let s3 = t.reduce_scatter(&y3, ReduceOp::Sum, dim).unwrap();
+        assert_eq!(s3.graph(), graph, "reduce_scatter dim {dim}");
         assert_eq!(s3.shape(), &dims[..]);
         let sv = s3.to_vec::<i32>().unwrap();
         for ix in grid(dims) {
