@@ -15,7 +15,7 @@ use crate::verbs::DeviceChoice;
 use std::time::Duration;
 
 /// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
-pub const VARIABLES: [&str; 26] = [
+pub const VARIABLES: [&str; 27] = [
     "RDMACOMM_JOB_ID",
     "RDMACOMM_SECRET",
     "RDMACOMM_SECRET_FILE",
@@ -30,6 +30,7 @@ pub const VARIABLES: [&str; 26] = [
     "RDMACOMM_IB_DEVICE",
     "RDMACOMM_IB_PORT",
     "RDMACOMM_GID_INDEX",
+    "RDMACOMM_IB_HCA",
     "RDMACOMM_IB_TIMEOUT",
     "RDMACOMM_IB_RETRY",
     "RDMACOMM_SLOTS",
@@ -347,11 +348,40 @@ pub fn device_from_env() -> Result<DeviceChoice> {
         }
         None => None,
     };
+    let device = env("RDMACOMM_IB_DEVICE");
+    let hca =
+        match env("RDMACOMM_IB_HCA") {
+            Some(_) if device.is_some() => return Err(Error::Config(
+                "RDMACOMM_IB_DEVICE and RDMACOMM_IB_HCA are both set: name one device or a list"
+                    .into(),
+            )),
+            Some(v) => Some(crate::verbs::HcaList::parse(&v)?),
+            None => None,
+        };
     Ok(DeviceChoice {
-        device: env("RDMACOMM_IB_DEVICE"),
+        device,
         port,
         gid_index: num("RDMACOMM_GID_INDEX")?,
+        hca,
+        local_rank: local_rank_from(&env)?,
     })
+}
+
+/// This rank's index among the ranks its launcher started on this host (torchrun's
+/// `LOCAL_RANK`, Open MPI's `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH's `MPI_LOCALRANKID`, Slurm's
+/// `SLURM_LOCALID`); 0 when none says.
+fn local_rank_from(get: Lookup) -> Result<usize> {
+    for name in [
+        "LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ] {
+        if let Some(v) = get(name) {
+            return parse_num(name, &v);
+        }
+    }
+    Ok(0)
 }
 
 impl Config {
@@ -754,6 +784,15 @@ mod tests {
         let e = identity_from(&lost).unwrap_err().to_string();
         assert!(e.contains("no coordinator address"), "{e}");
         assert_eq!(identity_from(&table(&[])).unwrap(), (0, 1, String::new()));
+        // The local rank a device list spreads by.
+        assert_eq!(
+            local_rank_from(&table(&[("SLURM_LOCALID", "3")])).unwrap(),
+            3
+        );
+        let torch_and_mpi = table(&[("LOCAL_RANK", "1"), ("OMPI_COMM_WORLD_LOCAL_RANK", "5")]);
+        assert_eq!(local_rank_from(&torch_and_mpi).unwrap(), 1);
+        assert_eq!(local_rank_from(&table(&[])).unwrap(), 0);
+        assert!(local_rank_from(&table(&[("MPI_LOCALRANKID", "x")])).is_err());
     }
 
     #[test]

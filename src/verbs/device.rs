@@ -3,7 +3,8 @@
 //! Defaults work without tuning: the first device with an ACTIVE port; on InfiniBand GID 0 and the
 //! port's LID; on Ethernet (RoCE, rxe) a RoCE v2 GID whose address is IPv4-mapped, then any RoCE v2
 //! GID that is not link-local, then any non-zero GID (NCCL's preference). Overrides:
-//! `RDMACOMM_IB_DEVICE`, `RDMACOMM_IB_PORT`, `RDMACOMM_GID_INDEX`.
+//! `RDMACOMM_IB_DEVICE`, `RDMACOMM_IB_PORT`, `RDMACOMM_GID_INDEX`, or a device list
+//! (`RDMACOMM_IB_HCA`, as NCCL_IB_HCA) that the ranks of a host spread over by local rank.
 
 use crate::error::{Error, Result};
 use sideway::ibverbs::address::Gid;
@@ -23,6 +24,83 @@ pub struct DeviceChoice {
     pub port: Option<u8>,
     /// GID index.
     pub gid_index: Option<u32>,
+    /// The devices a rank may use, NCCL_IB_HCA-style (`RDMACOMM_IB_HCA`).
+    pub hca: Option<HcaList>,
+    /// This rank's index among the ranks of its host: with `hca`, local rank i starts at the
+    /// i-th usable device of the list (mod its length), so ranks of one host spread over NICs.
+    pub local_rank: usize,
+}
+
+/// A device list as NCCL_IB_HCA writes it: `mlx5_0:1,mlx5_1` (names match as prefixes, `:port`
+/// picks a port), `=mlx5_0` (exact names), `^mlx5_2` (every device but these).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HcaList {
+    exclude: bool,
+    exact: bool,
+    entries: Vec<(String, Option<u8>)>,
+}
+
+impl HcaList {
+    /// Parses a list; an empty one, an empty name or a bad port is an error naming it.
+    pub fn parse(spec: &str) -> Result<HcaList> {
+        let bad = |why: &str| Error::Config(format!("RDMACOMM_IB_HCA={spec:?}: {why}"));
+        let mut rest = spec.trim();
+        let exclude = rest.starts_with('^');
+        rest = rest.trim_start_matches('^');
+        let exact = rest.starts_with('=');
+        rest = rest.trim_start_matches('=');
+        let mut entries = Vec::new();
+        for item in rest.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (name, port) = match item.split_once(':') {
+                Some((n, p)) => match p.parse::<u8>() {
+                    Ok(p) if p >= 1 => (n, Some(p)),
+                    _ => return Err(bad(&format!("{p:?} is not a port (from 1)"))),
+                },
+                None => (item, None),
+            };
+            if name.is_empty() {
+                return Err(bad("an entry has no device name"));
+            }
+            entries.push((name.to_string(), port));
+        }
+        if entries.is_empty() {
+            return Err(bad("no device named"));
+        }
+        Ok(HcaList {
+            exclude,
+            exact,
+            entries,
+        })
+    }
+
+    fn matches(&self, entry: &str, device: &str) -> bool {
+        if self.exact {
+            device == entry
+        } else {
+            device.starts_with(entry)
+        }
+    }
+
+    /// The devices of `present` (in the system's order) this list allows, in the order to try,
+    /// each with the port its entry names.
+    pub fn order(&self, present: &[String]) -> Vec<(String, Option<u8>)> {
+        if self.exclude {
+            return present
+                .iter()
+                .filter(|d| !self.entries.iter().any(|(e, _)| self.matches(e, d)))
+                .map(|d| (d.clone(), None))
+                .collect();
+        }
+        let mut out: Vec<(String, Option<u8>)> = Vec::new();
+        for (e, port) in &self.entries {
+            for d in present.iter().filter(|d| self.matches(e, d)) {
+                if !out.iter().any(|(o, p)| o == d && p == port) {
+                    out.push((d.clone(), *port));
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Makes registered memory safe across `fork()` (a data-loader worker, a `Command`) before the
@@ -182,11 +260,29 @@ fn pick_gid(gids: &[(u32, Gid, bool)]) -> Option<(u32, Gid)> {
 /// Opens the chosen (or the first usable) device and resolves port and GID.
 pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
     let list = device_list()?;
-    let mut names = Vec::new();
+    let devs: Vec<_> = list.iter().collect();
+    let names: Vec<String> = devs.iter().map(|d| d.name()).collect();
+    // The devices to try, in order, each with the port it must use (if any).
+    let tries: Vec<(usize, Option<u8>)> = match &choice.hca {
+        Some(hca) => {
+            let allowed = hca.order(&names);
+            if allowed.is_empty() {
+                return Err(Error::NoDevice(format!(
+                    "RDMACOMM_IB_HCA allows none of the devices present: {names:?}"
+                )));
+            }
+            // Local rank i starts at the i-th allowed device and falls back to the next ones.
+            let k = allowed.len();
+            (0..k)
+                .map(|j| &allowed[(choice.local_rank + j) % k])
+                .map(|(d, p)| (names.iter().position(|n| n == d).expect("present"), *p))
+                .collect()
+        }
+        None => (0..devs.len()).map(|i| (i, None)).collect(),
+    };
     let mut problems = Vec::new();
-    for dev in list.iter() {
-        let name = dev.name();
-        names.push(name.clone());
+    for (i, want_port) in tries {
+        let (dev, name) = (&devs[i], names[i].clone());
         if choice.device.as_ref().is_some_and(|d| d != &name) {
             continue;
         }
@@ -196,7 +292,7 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
         })?;
         let ports = ports_of(&name, &ctx)?;
         for p in &ports {
-            if choice.port.is_some_and(|want| want != p.port) {
+            if choice.port.or(want_port).is_some_and(|want| want != p.port) {
                 continue;
             }
             if !p.active {
@@ -272,6 +368,38 @@ mod tests {
 
     fn gid(a: &str) -> Gid {
         Gid::from(a.parse::<Ipv6Addr>().unwrap())
+    }
+
+    #[test]
+    fn device_lists_as_nccl_ib_hca_writes_them() {
+        let present: Vec<String> = ["mlx5_0", "mlx5_1", "mlx5_10", "rxe0"]
+            .map(String::from)
+            .into();
+        let names = |spec: &str| -> Vec<(String, Option<u8>)> {
+            HcaList::parse(spec).unwrap().order(&present)
+        };
+        let d = |n: &str, p: Option<u8>| (n.to_string(), p);
+        assert_eq!(
+            names("mlx5_1:1,rxe0"),
+            vec![d("mlx5_1", Some(1)), d("mlx5_10", Some(1)), d("rxe0", None)],
+            "names are prefixes"
+        );
+        assert_eq!(names("=mlx5_1"), vec![d("mlx5_1", None)]);
+        assert_eq!(
+            names("rxe0,mlx5_0"),
+            vec![d("rxe0", None), d("mlx5_0", None)],
+            "list order"
+        );
+        assert_eq!(names("^mlx5"), vec![d("rxe0", None)]);
+        assert_eq!(
+            names("^=mlx5_1"),
+            vec![d("mlx5_0", None), d("mlx5_10", None), d("rxe0", None)]
+        );
+        assert!(names("=mlx5").is_empty());
+        for bad in ["", "^", "mlx5_0:0", "mlx5_0:x", ":1"] {
+            let e = HcaList::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("RDMACOMM_IB_HCA="), "{bad:?}: {e}");
+        }
     }
 
     #[test]

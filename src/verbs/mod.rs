@@ -7,7 +7,7 @@ pub mod events;
 pub mod memory;
 pub mod queue;
 
-pub use device::{list_ports, open, DeviceChoice, PortInfo, Selected};
+pub use device::{list_ports, open, DeviceChoice, HcaList, PortInfo, Selected};
 pub use events::{AsyncEvent, AsyncEvents};
 pub use memory::{LentRegion, RegisteredBuffer};
 pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy, Sge};

@@ -187,6 +187,10 @@ pub fn spawn(
             c.env("RDMACOMM_HOST_ID", format!("test-host-{}", r / k.max(1)));
         }
         for (k, v) in env(r) {
+            // A device list replaces the device the harness names.
+            if k == "RDMACOMM_IB_HCA" {
+                c.env_remove("RDMACOMM_IB_DEVICE");
+            }
             c.env(k, v);
         }
         let _env = ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
