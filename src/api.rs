@@ -1,4 +1,4 @@
-//! The byte-level communicator API (`../shared/spec/communicator-bytes.txt`).
+//! The byte-level communicator API (the byte-level spec's `Communicator`).
 
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -6,6 +6,18 @@ use std::sync::Arc;
 
 /// The transport of a Group: every rank of the group calls the same operations in the same
 /// order. Buffers are row-contiguous elements; a failure names the peer.
+///
+/// # Errors
+/// Every operation returns, never hangs:
+/// - [`Error::InvalidArgument`]: this rank's buffers do not fit the call (lengths, a rank out of
+///   range: found before anything is sent, and the communicator stays usable), or a peer's
+///   data has another length than this rank's buffer.
+/// - [`Error::Mismatch`]: ranks called different operations, or the same one with different
+///   arguments, at the same point; every rank involved names both calls.
+/// - [`Error::PeerFailed`], [`Error::Timeout`]: a peer died, broke the protocol or made no
+///   progress for `RDMACOMM_TIMEOUT`; the error names it on every rank.
+/// - [`Error::WrongThread`]: called from a thread that does not own the communicator (`Comm`).
+/// - [`Error::Poisoned`]: an earlier failure; a failed communicator refuses further work.
 pub trait Communicator: Send + Sync {
     /// This process's rank, `0..size`.
     fn rank(&self) -> usize;
