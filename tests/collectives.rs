@@ -25,12 +25,13 @@ fn same_everywhere(c: &Comm, what: &str, data: &[u8]) {
 }
 
 /// The all_reduce algorithms to run (alike on every rank): the flat ones, and the hierarchical
-/// one where ranks are grouped into hosts (`RXE_TEST_RANKS_PER_HOST`; it runs flat where the
-/// layout is not regular). With 2 ranks on each of 2 or 4 hosts, the layout must be seen.
+/// one where ranks are grouped into hosts (`RXE_TEST_RANKS_PER_HOST` or `RXE_TEST_HOSTS`; it
+/// runs flat where the layout is not regular). With 2 ranks on each of 2 or 4 hosts, the layout
+/// must be seen.
 fn algos(c: &Comm) -> Vec<Algo> {
     let mut v = vec![Algo::Ring, Algo::Halving, Algo::Doubling, Algo::Direct];
     let per_host = std::env::var("RXE_TEST_RANKS_PER_HOST").ok();
-    if per_host.is_some() {
+    if per_host.is_some() || std::env::var("RXE_TEST_HOSTS").is_ok() {
         v.push(Algo::Hierarchical);
     }
     let dev = c.device().unwrap_or_default();
@@ -39,6 +40,13 @@ fn algos(c: &Comm) -> Vec<Algo> {
         assert!(
             dev.contains(&want),
             "rank {}: {dev:?} lacks {want:?}",
+            c.rank()
+        );
+    }
+    if std::env::var("RXE_TEST_HOSTS").as_deref() == Ok("a,b,b,c") && [1, 2].contains(&c.rank()) {
+        assert!(
+            dev.contains("hosts of 1, 2, 1 ranks"),
+            "rank {}: {dev:?}",
             c.rank()
         );
     }

@@ -186,6 +186,13 @@ pub fn spawn(
         {
             c.env("RDMACOMM_HOST_ID", format!("test-host-{}", r / k.max(1)));
         }
+        // Or each rank's "host" named in a list (RXE_TEST_HOSTS=a,b,b,c: uneven hosts).
+        if let Some(h) = std::env::var("RXE_TEST_HOSTS")
+            .ok()
+            .and_then(|v| v.split(',').nth(r).map(str::to_string))
+        {
+            c.env("RDMACOMM_HOST_ID", format!("test-host-{h}"));
+        }
         for (k, v) in env(r) {
             // A device list replaces the device the harness names.
             if k == "RDMACOMM_IB_HCA" {
