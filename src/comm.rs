@@ -44,6 +44,9 @@ pub struct Comm {
     /// Set by the first failure; every later call returns it (readable while an op runs).
     poisoned: Mutex<Option<String>>,
     algo: Mutex<Algo>,
+    /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
+    /// out once: the hierarchical all_reduce needs it on every call).
+    layout: Option<hier::Layout>,
     cfg: Config,
     /// The thread whose operations this communicator runs ([`this_thread`]).
     owner: AtomicU64,
@@ -75,7 +78,11 @@ impl Comm {
     }
 
     fn with_link_of(cfg: Config, link: Option<Box<dyn Transport>>, algo: Algo) -> Comm {
+        let layout = link
+            .as_ref()
+            .and_then(|l| l.hosts().and_then(|h| hier::Layout::of(h, l.rank())));
         Comm {
+            layout,
             rank: cfg.rank,
             size: cfg.world_size,
             inner: Mutex::new(Inner {
@@ -408,17 +415,15 @@ impl Communicator for Comm {
                 let (part, tail) = rest.split_at_mut(rest.len().min(slice));
                 // Every rank has the same host map where it is regular (no rank is alone on
                 // its host there), so every rank makes the same choice.
-                let layered = l
-                    .hosts()
-                    .is_some_and(|h| hier::Layout::of(h, l.rank()).is_some());
+                let layout = self.layout.as_ref();
                 let (n, len, dmax, shared) = (
                     l.size(),
                     part.len(),
                     tuning::doubling_max(l.medium(), l.size()),
                     l.shares_memory(),
                 );
-                match algo.choose(n, len, dmax, shared, layered) {
-                    Algo::Hierarchical => hier::all_reduce(l, op, dtype, part, scratch)?,
+                match algo.choose(n, len, dmax, shared, layout.is_some()) {
+                    Algo::Hierarchical => hier::all_reduce(l, layout, op, dtype, part, scratch)?,
                     Algo::Direct => direct::all_reduce_direct(l, op, dtype, part, scratch)?,
                     Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, part, scratch)?,
                     Algo::Halving => halving::all_reduce_halving(l, op, dtype, part, scratch)?,

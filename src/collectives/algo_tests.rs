@@ -5,6 +5,7 @@
 use super::mem_link::{mesh, on_every_rank, MemLink};
 use super::{bcast, direct, halving, hier, ring, Algo};
 use crate::dtype::{AllReduce, DType};
+use crate::transport::Link as _;
 use std::time::{Duration, Instant};
 
 /// Slots per pair and chunk bytes: one slot of 8 bytes (every element its own chunk, every post
@@ -48,7 +49,10 @@ fn all_reduce_checked(algo: Algo, n: usize, slots: usize, chunk: usize, hosts: O
                     Algo::Halving => halving::all_reduce_halving(l, op, t, &mut d, &mut scratch),
                     Algo::Doubling => halving::all_reduce_doubling(l, op, t, &mut d, &mut scratch),
                     Algo::Direct => direct::all_reduce_direct(l, op, t, &mut d, &mut scratch),
-                    _ => hier::all_reduce(l, op, t, &mut d, &mut scratch),
+                    _ => {
+                        let layout = l.hosts().and_then(|h| hier::Layout::of(h, r));
+                        hier::all_reduce(l, layout.as_ref(), op, t, &mut d, &mut scratch)
+                    }
                 }
                 .unwrap();
                 d

@@ -101,16 +101,17 @@ impl Link for View<'_> {
     }
 }
 
-/// In-place all_reduce over `link`, hierarchically where its hosts form a regular layout
-/// ([`Layout::of`]), else by the flat algorithm [`Algo::Auto`] picks.
+/// In-place all_reduce over `link`, hierarchically by `layout` (this rank's [`Layout::of`] the
+/// link's hosts, worked out once by the caller: it allocates), else by the flat algorithm
+/// [`Algo::Auto`] picks.
 pub fn all_reduce(
     link: &mut dyn Link,
+    layout: Option<&Layout>,
     op: AllReduce,
     dtype: DType,
     data: &mut [u8],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    let layout = link.hosts().and_then(|h| Layout::of(h, link.rank()));
     let Some(l) = layout else {
         let dmax = tuning::doubling_max(link.medium(), link.size());
         let algo = Algo::Auto.choose(link.size(), data.len(), dmax, false, false);
