@@ -66,6 +66,167 @@ pub trait Communicator: Send + Sync {
         }
     }
 
+    /// Rank p's block q of `input` into rank q's block p of `output` (`size` equal blocks each;
+    /// MPI_Alltoall). Beyond the spec, as every method below; the default runs
+    /// [`Communicator::all_to_allv`].
+    fn all_to_all(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        let n = self.size();
+        check_all_to_all(n, input, output)?;
+        let lens = vec![input.len() / n; n];
+        self.all_to_allv(input, &lens, output, &lens)
+    }
+
+    /// Rank p's block q of `input` (`send_lens[q]` bytes, blocks consecutive in rank order)
+    /// into rank q's block p of `output` (`recv_lens[p]` bytes); a peer's `send_lens[q]` must be
+    /// rank q's `recv_lens[p]`. The default runs one [`Communicator::batch`].
+    fn all_to_allv(
+        &self,
+        input: &[u8],
+        send_lens: &[usize],
+        output: &mut [u8],
+        recv_lens: &[usize],
+    ) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        let (so, ro) = check_all_to_allv(me, n, input, send_lens, output, recv_lens)?;
+        let (mut recvs, own) = split_blocks(output, &ro, me);
+        own.copy_from_slice(&input[so[me]..so[me + 1]]);
+        let mut ops: Vec<P2p<'_>> = (0..n)
+            .filter(|&q| q != me)
+            .map(|q| P2p::Send {
+                peer: q,
+                data: &input[so[q]..so[q + 1]],
+            })
+            .collect();
+        ops.extend(recvs.drain(..).map(|(peer, data)| P2p::Recv { peer, data }));
+        self.batch(&mut ops)
+    }
+
+    /// Reduces every rank's `data` into `data` on `root`; other ranks' `data` is left as it
+    /// was (MPI_Reduce, in place). The default all-reduces a copy.
+    fn reduce(&self, root: usize, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
+        check_root(root, self.size())?;
+        let mut tmp = data.to_vec();
+        self.all_reduce(op, dtype, &mut tmp)?;
+        if self.rank() == root {
+            data.copy_from_slice(&tmp);
+        }
+        Ok(())
+    }
+
+    /// Every rank's `input` (equal lengths) into `output` on `root`, in rank order
+    /// (`size * input.len()` bytes there; other ranks may pass an empty `output`).
+    fn gather(&self, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_gather(self.rank(), self.size(), root, input, output)?;
+        let n = self.size();
+        if self.rank() != root {
+            return self.batch(&mut [P2p::Send {
+                peer: root,
+                data: input,
+            }]);
+        }
+        let offs: Vec<usize> = (0..=n).map(|q| q * input.len()).collect();
+        let (recvs, own) = split_blocks(output, &offs, root);
+        own.copy_from_slice(input);
+        let mut ops: Vec<P2p<'_>> = recvs
+            .into_iter()
+            .map(|(peer, data)| P2p::Recv { peer, data })
+            .collect();
+        self.batch(&mut ops)
+    }
+
+    /// Block q of `input` on `root` (`size * output.len()` bytes there; other ranks may pass
+    /// an empty `input`) into rank q's `output`.
+    fn scatter(&self, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_scatter(self.rank(), self.size(), root, input, output)?;
+        let (me, n, m) = (self.rank(), self.size(), output.len());
+        if me != root {
+            return self.batch(&mut [P2p::Recv {
+                peer: root,
+                data: output,
+            }]);
+        }
+        output.copy_from_slice(&input[me * m..(me + 1) * m]);
+        let mut ops: Vec<P2p<'_>> = (0..n)
+            .filter(|&q| q != me)
+            .map(|q| P2p::Send {
+                peer: q,
+                data: &input[q * m..(q + 1) * m],
+            })
+            .collect();
+        self.batch(&mut ops)
+    }
+
+    /// Every rank's `input` (rank q's is `lens[q]` bytes) concatenated in rank order into
+    /// `output` (their sum); every rank passes the same `lens` (MPI_Allgatherv).
+    fn all_gather_v(&self, input: &[u8], output: &mut [u8], lens: &[usize]) -> Result<()> {
+        let (me, n) = (self.rank(), self.size());
+        let offs = check_all_gather_v(me, n, input, output, lens)?;
+        let (recvs, own) = split_blocks(output, &offs, me);
+        own.copy_from_slice(input);
+        let mut ops: Vec<P2p<'_>> = (0..n)
+            .filter(|&q| q != me)
+            .map(|q| P2p::Send {
+                peer: q,
+                data: input,
+            })
+            .collect();
+        ops.extend(
+            recvs
+                .into_iter()
+                .map(|(peer, data)| P2p::Recv { peer, data }),
+        );
+        self.batch(&mut ops)
+    }
+
+    /// Rank r's `output` (`lens[r]` bytes) is the reduction of every rank's block r of `input`
+    /// (blocks of `lens[q]` bytes in rank order, `input.len()` their sum); every rank passes the
+    /// same `lens` (MPI_Reduce_scatter). The default all-reduces a copy.
+    fn reduce_scatter_v(
+        &self,
+        op: AllReduce,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        lens: &[usize],
+    ) -> Result<()> {
+        let offs = check_reduce_scatter_v(self.rank(), self.size(), dtype, input, output, lens)?;
+        let mut tmp = input.to_vec();
+        self.all_reduce(op, dtype, &mut tmp)?;
+        let r = self.rank();
+        output.copy_from_slice(&tmp[offs[r]..offs[r + 1]]);
+        Ok(())
+    }
+
+    /// Sends `send` to `dst` while receiving `recv` from `src`, neither waiting for the other
+    /// (MPI_Sendrecv): a ring shift cannot deadlock. It matches a `sendrecv` or
+    /// [`Communicator::batch`] on each peer.
+    fn sendrecv(&self, dst: usize, send: &[u8], src: usize, recv: &mut [u8]) -> Result<()> {
+        self.batch(&mut [
+            P2p::Send {
+                peer: dst,
+                data: send,
+            },
+            P2p::Recv {
+                peer: src,
+                data: recv,
+            },
+        ])
+    }
+
+    /// Runs every send and receive of `ops` at once (ncclGroupStart/End, torch's
+    /// `batch_isend_irecv`); messages to one peer go in the order listed, as do those from one.
+    /// A batch's messages to a peer are received by one batch (or `sendrecv`) there.
+    /// The default supports only an empty batch.
+    fn batch(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        check_batch(self.rank(), self.size(), ops)?;
+        if ops.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(
+            "batch is not supported by this communicator".into(),
+        ))
+    }
+
     /// Waits until every rank has called it. Beyond the spec; the default all-reduces a byte.
     fn barrier(&self) -> Result<()> {
         let mut b = [0u8];
@@ -99,6 +260,209 @@ pub trait Communicator: Send + Sync {
             "split is not supported by this communicator".into(),
         ))
     }
+}
+
+/// One send or receive of a [`Communicator::batch`].
+#[derive(Debug)]
+pub enum P2p<'a> {
+    /// Sends `data` to rank `peer`.
+    Send {
+        /// The receiving rank.
+        peer: usize,
+        /// What is sent.
+        data: &'a [u8],
+    },
+    /// Receives exactly `data.len()` bytes from rank `peer`.
+    Recv {
+        /// The sending rank.
+        peer: usize,
+        /// Where it lands.
+        data: &'a mut [u8],
+    },
+}
+
+impl P2p<'_> {
+    /// The peer.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        }
+    }
+}
+
+/// Byte offsets of consecutive blocks of `lens` (n + 1 entries).
+pub(crate) fn offsets(lens: &[usize]) -> Vec<usize> {
+    let mut o = Vec::with_capacity(lens.len() + 1);
+    o.push(0);
+    for l in lens {
+        o.push(o.last().unwrap() + l);
+    }
+    o
+}
+
+/// Cuts `buf` at `offs` into (rank, block) pairs but `skip`'s block, returned apart.
+pub(crate) fn split_blocks<'a>(
+    buf: &'a mut [u8],
+    offs: &[usize],
+    skip: usize,
+) -> (crate::collectives::rooted::Blocks<'a>, &'a mut [u8]) {
+    let (v, own) =
+        crate::collectives::rooted::blocks(buf, offs.windows(2).map(|w| w[1] - w[0]), skip);
+    (v, own.unwrap_or_default())
+}
+
+fn lens_check(what: &str, n: usize, lens: &[usize], name: &str) -> Result<Vec<usize>> {
+    if lens.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {name} has {} entries but the world has {n} ranks",
+            lens.len()
+        )));
+    }
+    Ok(offsets(lens))
+}
+
+/// Checks `all_to_all` arguments.
+pub(crate) fn check_all_to_all(n: usize, input: &[u8], output: &[u8]) -> Result<()> {
+    if input.len() % n != 0 || output.len() != input.len() {
+        return Err(Error::InvalidArgument(format!(
+            "all_to_all: input ({} B) and output ({} B) must be equal and hold size ({n}) \
+             equal blocks",
+            input.len(),
+            output.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `all_to_allv` arguments; the send and receive block offsets.
+pub(crate) fn check_all_to_allv(
+    me: usize,
+    n: usize,
+    input: &[u8],
+    send_lens: &[usize],
+    output: &[u8],
+    recv_lens: &[usize],
+) -> Result<(Vec<usize>, Vec<usize>)> {
+    let so = lens_check("all_to_allv", n, send_lens, "send_lens")?;
+    let ro = lens_check("all_to_allv", n, recv_lens, "recv_lens")?;
+    if so[n] != input.len() || ro[n] != output.len() {
+        return Err(Error::InvalidArgument(format!(
+            "all_to_allv: send_lens sum to {} B for an input of {} B, recv_lens to {} B for an \
+             output of {} B",
+            so[n],
+            input.len(),
+            ro[n],
+            output.len()
+        )));
+    }
+    if send_lens[me] != recv_lens[me] {
+        return Err(Error::InvalidArgument(format!(
+            "all_to_allv: rank {me} sends itself {} B but receives {} B from itself",
+            send_lens[me], recv_lens[me]
+        )));
+    }
+    Ok((so, ro))
+}
+
+/// Checks `gather` arguments.
+pub(crate) fn check_gather(
+    me: usize,
+    n: usize,
+    root: usize,
+    input: &[u8],
+    output: &[u8],
+) -> Result<()> {
+    check_root(root, n)?;
+    if me == root && output.len() != n * input.len() {
+        return Err(Error::InvalidArgument(format!(
+            "gather: the root's output has {} bytes but must be size ({n}) x input ({}) = {}",
+            output.len(),
+            input.len(),
+            n * input.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `scatter` arguments.
+pub(crate) fn check_scatter(
+    me: usize,
+    n: usize,
+    root: usize,
+    input: &[u8],
+    output: &[u8],
+) -> Result<()> {
+    check_root(root, n)?;
+    if me == root && input.len() != n * output.len() {
+        return Err(Error::InvalidArgument(format!(
+            "scatter: the root's input has {} bytes but must be size ({n}) x output ({}) = {}",
+            input.len(),
+            output.len(),
+            n * output.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `all_gather_v` arguments; the blocks' offsets.
+pub(crate) fn check_all_gather_v(
+    me: usize,
+    n: usize,
+    input: &[u8],
+    output: &[u8],
+    lens: &[usize],
+) -> Result<Vec<usize>> {
+    let o = lens_check("all_gather_v", n, lens, "lens")?;
+    if lens[me] != input.len() || o[n] != output.len() {
+        return Err(Error::InvalidArgument(format!(
+            "all_gather_v: rank {me}'s input has {} B where lens says {} B, and the output {} B \
+             where lens sums to {} B",
+            input.len(),
+            lens[me],
+            output.len(),
+            o[n]
+        )));
+    }
+    Ok(o)
+}
+
+/// Checks `reduce_scatter_v` arguments; the blocks' offsets.
+pub(crate) fn check_reduce_scatter_v(
+    me: usize,
+    n: usize,
+    dtype: DType,
+    input: &[u8],
+    output: &[u8],
+    lens: &[usize],
+) -> Result<Vec<usize>> {
+    let o = lens_check("reduce_scatter_v", n, lens, "lens")?;
+    for &l in lens {
+        dtype.check_len(l, "reduce_scatter_v block")?;
+    }
+    if lens[me] != output.len() || o[n] != input.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reduce_scatter_v: rank {me}'s output has {} B where lens says {} B, and the input \
+             {} B where lens sums to {} B",
+            output.len(),
+            lens[me],
+            input.len(),
+            o[n]
+        )));
+    }
+    Ok(o)
+}
+
+/// Checks a batch's peers.
+pub(crate) fn check_batch(me: usize, n: usize, ops: &[P2p<'_>]) -> Result<()> {
+    for op in ops {
+        let what = if matches!(op, P2p::Send { .. }) {
+            "send"
+        } else {
+            "recv"
+        };
+        check_peer(what, me, n, op.peer())?;
+    }
+    Ok(())
 }
 
 /// Checks `all_reduce` arguments.
@@ -142,7 +506,7 @@ pub(crate) fn check_sum_scatter(
 pub(crate) fn check_root(root: usize, size: usize) -> Result<()> {
     if root >= size {
         return Err(Error::InvalidArgument(format!(
-            "broadcast: root {root} is out of range (world size {size})"
+            "root {root} is out of range (world size {size})"
         )));
     }
     Ok(())

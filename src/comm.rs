@@ -1,9 +1,11 @@
 //! [`Comm`]: the byte-level [`Communicator`] over a transport (RDMA, or TCP where there is none).
 
 use crate::api::{
-    check_all_gather, check_all_reduce, check_peer, check_root, check_sum_scatter, Communicator,
+    check_all_gather, check_all_gather_v, check_all_reduce, check_all_to_all, check_all_to_allv,
+    check_batch, check_gather, check_peer, check_reduce_scatter_v, check_root, check_scatter,
+    check_sum_scatter, Communicator, P2p,
 };
-use crate::collectives::{bcast, direct, halving, hier, p2p, ring, tuning};
+use crate::collectives::{bcast, direct, exchange, halving, hier, p2p, ring, rooted, tuning};
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -582,6 +584,176 @@ impl Communicator for Comm {
         }
         self.with_link(OpDesc::new(OpKind::Barrier, 0), Scope::All, |l, _| {
             bcast::barrier(l)
+        })
+    }
+
+    fn all_to_all(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_all_to_all(self.size, input, output)?;
+        if self.size == 1 {
+            self.alone("all_to_all")?;
+            crate::copy::copy(output, input);
+            return Ok(());
+        }
+        let block = input.len() / self.size;
+        let offs: Vec<usize> = (0..=self.size).map(|q| q * block).collect();
+        let desc = OpDesc::new(OpKind::AllToAll, block);
+        self.with_link(desc, Scope::All, |l, _| {
+            rooted::all_to_all(l, input, &offs, output, &offs)
+        })
+    }
+
+    fn all_to_allv(
+        &self,
+        input: &[u8],
+        send_lens: &[usize],
+        output: &mut [u8],
+        recv_lens: &[usize],
+    ) -> Result<()> {
+        let (so, ro) =
+            check_all_to_allv(self.rank, self.size, input, send_lens, output, recv_lens)?;
+        if self.size == 1 {
+            self.alone("all_to_allv")?;
+            crate::copy::copy(output, input);
+            return Ok(());
+        }
+        self.with_link(OpDesc::new(OpKind::AllToAllV, 0), Scope::All, |l, _| {
+            rooted::all_to_all(l, input, &so, output, &ro)
+        })
+    }
+
+    fn reduce(&self, root: usize, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
+        check_root(root, self.size)?;
+        check_all_reduce(dtype, data)?;
+        if self.size == 1 {
+            return self.alone("reduce");
+        }
+        let medium = self.lock().link.as_ref().map(|l| l.medium());
+        let tree = self.size == 2
+            || data.len() <= tuning::reduce_tree_max(medium.expect("a link"), self.size);
+        let desc = OpDesc {
+            dtype: Some(dtype),
+            reduce: Some(op),
+            root,
+            algo: u8::from(!tree),
+            ..OpDesc::new(OpKind::Reduce, data.len())
+        };
+        self.with_link(desc, Scope::All, |l, scratch| {
+            if tree {
+                rooted::reduce_tree(l, root, op, dtype, data, scratch)
+            } else {
+                rooted::reduce_scatter_gather(l, root, op, dtype, data, scratch)
+            }
+        })
+    }
+
+    fn gather(&self, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_gather(self.rank, self.size, root, input, output)?;
+        if self.size == 1 {
+            self.alone("gather")?;
+            crate::copy::copy(output, input);
+            return Ok(());
+        }
+        let desc = OpDesc {
+            root,
+            ..OpDesc::new(OpKind::Gather, input.len())
+        };
+        self.with_link(desc, Scope::All, |l, _| {
+            rooted::gather(l, root, input, output)
+        })
+    }
+
+    fn scatter(&self, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_scatter(self.rank, self.size, root, input, output)?;
+        if self.size == 1 {
+            self.alone("scatter")?;
+            crate::copy::copy(output, input);
+            return Ok(());
+        }
+        let desc = OpDesc {
+            root,
+            ..OpDesc::new(OpKind::Scatter, output.len())
+        };
+        self.with_link(desc, Scope::All, |l, _| {
+            rooted::scatter(l, root, input, output)
+        })
+    }
+
+    fn all_gather_v(&self, input: &[u8], output: &mut [u8], lens: &[usize]) -> Result<()> {
+        let offs = check_all_gather_v(self.rank, self.size, input, output, lens)?;
+        if self.size == 1 {
+            self.alone("all_gather_v")?;
+            crate::copy::copy(output, input);
+            return Ok(());
+        }
+        let desc = OpDesc::new(OpKind::AllGatherV, output.len());
+        self.with_link(desc, Scope::All, |l, _| {
+            let r = l.rank();
+            crate::copy::copy(&mut output[offs[r]..offs[r + 1]], input);
+            ring::all_gather_in(l, output, ring::Chunks::listed(&offs, 1))
+        })
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        op: AllReduce,
+        dtype: DType,
+        input: &[u8],
+        output: &mut [u8],
+        lens: &[usize],
+    ) -> Result<()> {
+        let offs = check_reduce_scatter_v(self.rank, self.size, dtype, input, output, lens)?;
+        if self.size == 1 {
+            self.alone("reduce_scatter_v")?;
+            crate::copy::copy(output, input);
+            return Ok(());
+        }
+        let desc = OpDesc {
+            dtype: Some(dtype),
+            reduce: Some(op),
+            ..OpDesc::new(OpKind::ReduceScatterV, input.len())
+        };
+        self.with_link(desc, Scope::All, |l, scratch| {
+            scratch.clear();
+            scratch.extend_from_slice(input);
+            let parts = ring::Chunks::listed(&offs, dtype.size());
+            ring::reduce_scatter_in(l, op, dtype, scratch, parts)?;
+            let r = l.rank();
+            crate::copy::copy(output, &scratch[offs[r]..offs[r + 1]]);
+            Ok(())
+        })
+    }
+
+    fn batch(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        check_batch(self.rank, self.size, ops)?;
+        if ops.is_empty() {
+            return self.alone("batch");
+        }
+        let mut to: Vec<usize> = Vec::new();
+        let mut from: Vec<usize> = Vec::new();
+        for op in ops.iter() {
+            let v = if matches!(op, P2p::Send { .. }) {
+                &mut to
+            } else {
+                &mut from
+            };
+            if !v.contains(&op.peer()) {
+                v.push(op.peer());
+            }
+        }
+        let scope = Scope::Peers {
+            to: &to,
+            from: &from,
+        };
+        self.with_link(OpDesc::new(OpKind::Batch, 0), scope, |l, _| {
+            let mut sends: Vec<(usize, &[u8])> = Vec::new();
+            let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
+            for op in ops.iter_mut() {
+                match op {
+                    P2p::Send { peer, data } => sends.push((*peer, data)),
+                    P2p::Recv { peer, data } => recvs.push((*peer, data)),
+                }
+            }
+            exchange::exchange(l, &sends, &mut recvs)
         })
     }
 

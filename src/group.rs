@@ -84,6 +84,108 @@ impl Group {
         self.comm.recv(src, bytemuck::cast_slice_mut(data))
     }
 
+    /// Rank p's block q of `input` into rank q's block p of `output` (`size` equal blocks).
+    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.comm.all_to_all(
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        )
+    }
+
+    /// Rank p's block q of `input` (`send_counts[q]` elements) into rank q's block p of
+    /// `output` (`recv_counts[p]` elements), blocks consecutive in rank order.
+    pub fn all_to_allv<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.comm.all_to_allv(
+            bytemuck::cast_slice(input),
+            &bytes_of::<T>(send_counts),
+            bytemuck::cast_slice_mut(output),
+            &bytes_of::<T>(recv_counts),
+        )
+    }
+
+    /// The reduction of every rank's `data` into `data` on `root` (others' stays as it was).
+    pub fn reduce<T: Element>(&self, data: &mut [T], op: AllReduce, root: usize) -> Result<()> {
+        self.comm
+            .reduce(root, op, T::DTYPE, bytemuck::cast_slice_mut(data))
+    }
+
+    /// Every rank's `input` into `output` on `root` (`size * input.len()` there).
+    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.comm.gather(
+            root,
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        )
+    }
+
+    /// Block q of `input` on `root` (`size * output.len()` there) into rank q's `output`.
+    pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.comm.scatter(
+            root,
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+        )
+    }
+
+    /// Every rank's `input` (rank q's has `counts[q]` elements) concatenated into `output`.
+    pub fn all_gather_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        self.comm.all_gather_v(
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+            &bytes_of::<T>(counts),
+        )
+    }
+
+    /// Rank r's `output` (`counts[r]` elements) is the reduction of every rank's block r of
+    /// `input` (blocks of `counts[q]` elements in rank order).
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+        op: AllReduce,
+    ) -> Result<()> {
+        self.comm.reduce_scatter_v(
+            op,
+            T::DTYPE,
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+            &bytes_of::<T>(counts),
+        )
+    }
+
+    /// Sends `send` to `dst` while receiving `recv` from `src` (neither waits for the other).
+    pub fn sendrecv<T: Element>(
+        &self,
+        dst: usize,
+        send: &[T],
+        src: usize,
+        recv: &mut [T],
+    ) -> Result<()> {
+        self.comm.sendrecv(
+            dst,
+            bytemuck::cast_slice(send),
+            src,
+            bytemuck::cast_slice_mut(recv),
+        )
+    }
+
+    /// Runs a batch of sends and receives at once (see [`Communicator::batch`]).
+    pub fn batch(&self, ops: &mut [crate::api::P2p<'_>]) -> Result<()> {
+        self.comm.batch(ops)
+    }
+
     /// Registers `data` once for the duration of `f`, so the collectives `f` runs on it send
     /// straight from it (see [`Communicator::with_registered`]); returns what `f` returns.
     pub fn with_registered<T: Element, R>(
@@ -110,4 +212,12 @@ impl Group {
     pub fn health(&self) -> Result<()> {
         self.comm.health()
     }
+}
+
+/// Element counts as byte lengths.
+fn bytes_of<T: Element>(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .map(|c| c * std::mem::size_of::<T>())
+        .collect()
 }

@@ -35,7 +35,7 @@ pub mod tensor;
 pub mod transport;
 pub mod verbs;
 
-pub use api::Communicator;
+pub use api::{Communicator, P2p};
 pub use comm::{Algo, Comm};
 pub use config::Config;
 pub use dtype::{AllReduce, DType};

@@ -77,6 +77,16 @@ fn mismatch_body() {
                 let dtype = if r == 0 { DType::f32 } else { DType::i32 };
                 c.all_reduce(AllReduce::Sum, dtype, &mut f32s(1.0, 4096))?
             }
+            ("all_to_all_vs_all_gather", 1) => {
+                c.all_to_all(&vec![1u8; n * 4096], &mut vec![0u8; n * 4096])?
+            }
+            ("all_to_all_vs_all_gather", _) => {
+                c.all_gather(&vec![1u8; 4096], &mut vec![0u8; n * 4096])?
+            }
+            ("reduce_i32_vs_f32", _) => {
+                let dtype = if r == 0 { DType::f32 } else { DType::i32 };
+                c.reduce(0, AllReduce::Sum, dtype, &mut f32s(1.0, 64))?
+            }
             (c, _) => panic!("unknown case {c}"),
         }
         c.barrier()
@@ -102,6 +112,8 @@ fn mismatched_calls_are_named_on_every_rank() {
         ("broadcast_chunks", 3),
         ("reduce_vs_broadcast", 2),
         ("f32_vs_i32", 2),
+        ("all_to_all_vs_all_gather", 3),
+        ("reduce_i32_vs_f32", 2),
     ];
     for (case, n) in cases {
         let t0 = Instant::now();

@@ -2,16 +2,20 @@
 
 pub mod bcast;
 pub mod direct;
+pub mod exchange;
 pub mod halving;
 pub mod hier;
 pub mod p2p;
 pub mod ring;
+pub mod rooted;
 pub mod tuning;
 
 #[cfg(test)]
 mod algo_tests;
 #[cfg(test)]
 mod mem_link;
+#[cfg(test)]
+mod set_tests;
 
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};

@@ -1,13 +1,8 @@
 //! Point-to-point send and receive, chunked through the link's slots.
 
+use crate::collectives::exchange::pieces;
 use crate::error::{Error, Result};
 use crate::transport::Link;
-
-/// Number of chunks a message of `len` bytes takes (an empty message is one empty chunk, so
-/// that every send matches exactly one receive).
-fn pieces(len: usize, max: usize) -> usize {
-    len.div_ceil(max).max(1)
-}
 
 /// Sends `data` to `dst`; returns when every chunk is posted (the data has been staged).
 pub fn send(link: &mut dyn Link, dst: usize, data: &[u8]) -> Result<()> {

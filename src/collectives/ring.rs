@@ -12,50 +12,72 @@ use crate::error::Result;
 use crate::transport::Link;
 
 /// How a buffer is cut into `n` chunks, computed per chunk (no allocation on the hot path): the
-/// first `extra` chunks get one element more.
+/// first `extra` chunks get one element more; or, for the uneven collectives, at listed offsets.
 #[derive(Clone, Copy, Debug)]
-pub struct Chunks {
+pub struct Chunks<'a> {
     base: usize,
     extra: usize,
     esize: usize,
+    /// Byte offsets of the chunks and the end (n + 1 entries), where they are listed.
+    listed: Option<&'a [usize]>,
 }
 
-impl Chunks {
+impl<'a> Chunks<'a> {
     /// Byte range (offset, length) of chunk `c`.
     pub fn get(&self, c: usize) -> (usize, usize) {
+        if let Some(o) = self.listed {
+            return (o[c], o[c + 1] - o[c]);
+        }
         let off = (c * self.base + c.min(self.extra)) * self.esize;
         (off, (self.base + usize::from(c < self.extra)) * self.esize)
     }
 
     /// Length of the longest chunk.
     fn max_len(&self) -> usize {
+        if let Some(o) = self.listed {
+            return o.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        }
         (self.base + usize::from(self.extra > 0)) * self.esize
+    }
+
+    /// Chunks at `offsets` (ascending byte offsets of each chunk and of the end, every length a
+    /// multiple of `esize`).
+    pub fn listed(offsets: &'a [usize], esize: usize) -> Chunks<'a> {
+        debug_assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+        Chunks {
+            base: 0,
+            extra: 0,
+            esize,
+            listed: Some(offsets),
+        }
     }
 }
 
 /// `n` chunks of a buffer of `elems` elements of `esize` bytes: the first `elems % n` chunks get
 /// one element more.
-pub fn chunks(elems: usize, n: usize, esize: usize) -> Chunks {
+pub fn chunks(elems: usize, n: usize, esize: usize) -> Chunks<'static> {
     Chunks {
         base: elems / n,
         extra: elems % n,
         esize,
+        listed: None,
     }
 }
 
 /// `n` equal chunks of a buffer of `len` bytes.
-pub fn equal_chunks(len: usize, n: usize) -> Chunks {
+pub fn equal_chunks(len: usize, n: usize) -> Chunks<'static> {
     Chunks {
         base: len / n,
         extra: 0,
         esize: 1,
+        listed: None,
     }
 }
 
 /// What a ring run does with received segments.
-struct Plan {
+struct Plan<'a> {
     /// Chunk ranges of the buffer.
-    chunks: Chunks,
+    chunks: Chunks<'a>,
     /// Steps that reduce (the first ones), then steps that copy.
     reduce_steps: usize,
     steps: usize,
@@ -66,7 +88,7 @@ struct Plan {
     esize: usize,
 }
 
-fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan) -> Result<()> {
+fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     let n = link.size();
     let rank = link.rank();
     if n == 1 || plan.steps == 0 {
@@ -150,12 +172,12 @@ pub fn reduce_scatter(
 
 /// Reduce-scatter in place over `data` cut as `parts` (one part per rank): afterwards part
 /// `rank` holds the reduction of every rank's part `rank`.
-pub(crate) fn reduce_scatter_in(
+pub fn reduce_scatter_in(
     link: &mut dyn Link,
     op: AllReduce,
     dtype: DType,
     data: &mut [u8],
-    parts: Chunks,
+    parts: Chunks<'_>,
 ) -> Result<()> {
     let n = link.size();
     // Step s sends part rank-1-s; after n-1 steps this rank holds its own part, complete.
@@ -171,7 +193,7 @@ pub(crate) fn reduce_scatter_in(
 }
 
 /// All-gather in place over `data` cut as `parts`, part `rank` filled by the caller.
-pub(crate) fn all_gather_in(link: &mut dyn Link, data: &mut [u8], parts: Chunks) -> Result<()> {
+pub fn all_gather_in(link: &mut dyn Link, data: &mut [u8], parts: Chunks<'_>) -> Result<()> {
     let plan = Plan {
         chunks: parts,
         reduce_steps: 0,

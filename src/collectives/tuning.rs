@@ -26,6 +26,12 @@ pub fn slice_bytes(medium: Medium) -> usize {
     }
 }
 
+/// The largest reduce to a root (bytes) run as a binomial tree (log2(n) steps of the whole
+/// vector); above it, a ring reduce-scatter then a gather of the parts (bandwidth-optimal).
+pub fn reduce_tree_max(medium: Medium, n: usize) -> usize {
+    doubling_max(medium, n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

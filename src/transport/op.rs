@@ -26,10 +26,26 @@ pub enum OpKind {
     SendRecv,
     /// Step `algo` of `split` (an exchange of colors, keys or endpoints).
     Split,
+    /// `all_to_all` (bytes: one block).
+    AllToAll,
+    /// `all_to_allv` (bytes: 0; the blocks' lengths are checked chunk by chunk).
+    AllToAllV,
+    /// `reduce` to a root (bytes: the buffer).
+    Reduce,
+    /// `gather` to a root (bytes: each rank's input).
+    Gather,
+    /// `scatter` from a root (bytes: each rank's output).
+    Scatter,
+    /// `all_gather_v` (bytes: the output).
+    AllGatherV,
+    /// `reduce_scatter_v` (bytes: the input).
+    ReduceScatterV,
+    /// A batch of sends and receives posted together (`sendrecv`, `batch`; bytes: 0).
+    Batch,
 }
 
 impl OpKind {
-    const ALL: [OpKind; 7] = [
+    const ALL: [OpKind; 15] = [
         OpKind::AllReduce,
         OpKind::AllGather,
         OpKind::SumScatter,
@@ -37,7 +53,23 @@ impl OpKind {
         OpKind::Barrier,
         OpKind::SendRecv,
         OpKind::Split,
+        OpKind::AllToAll,
+        OpKind::AllToAllV,
+        OpKind::Reduce,
+        OpKind::Gather,
+        OpKind::Scatter,
+        OpKind::AllGatherV,
+        OpKind::ReduceScatterV,
+        OpKind::Batch,
     ];
+
+    /// Whether the operation has a root (then part of its descriptor).
+    pub fn rooted(self) -> bool {
+        matches!(
+            self,
+            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter
+        )
+    }
 
     fn code(self) -> u8 {
         OpKind::ALL.iter().position(|&k| k == self).expect("listed") as u8 + 1
@@ -64,7 +96,7 @@ pub struct OpDesc {
     /// The algorithm setting the chunk pattern depends on (all_reduce's `Algo`, broadcast's
     /// chain or tree, split's step), as a small number named by [`OpDesc::algo_name`].
     pub algo: u8,
-    /// The broadcast root (0 otherwise).
+    /// The root of a rooted operation ([`OpKind::rooted`]; 0 otherwise).
     pub root: usize,
     /// The byte length that sets the transfer (see [`OpKind`]).
     pub bytes: u64,
@@ -72,22 +104,36 @@ pub struct OpDesc {
 
 /// Which peers an operation exchanges with, for its numbering ([`OpDesc::seq`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
+pub enum Scope<'a> {
     /// Every peer, both ways: a collective.
     All,
     /// Sends to one peer only.
     To(usize),
     /// Receives from one peer only.
     From(usize),
+    /// Sends to the ranks of `to` and receives from those of `from` (a batch).
+    Peers {
+        /// Ranks sent to.
+        to: &'a [usize],
+        /// Ranks received from.
+        from: &'a [usize],
+    },
 }
 
-impl Scope {
+impl Scope<'_> {
     /// Whether the operation sends to `p` (`out`) or receives from it (`!out`).
     pub fn counts(self, p: usize, out: bool) -> bool {
         match self {
             Scope::All => true,
             Scope::To(q) => out && q == p,
             Scope::From(q) => !out && q == p,
+            Scope::Peers { to, from } => {
+                if out {
+                    to.contains(&p)
+                } else {
+                    from.contains(&p)
+                }
+            }
         }
     }
 }
@@ -213,6 +259,14 @@ impl std::fmt::Display for OpDesc {
             OpKind::Barrier => "barrier",
             OpKind::SendRecv => "send/recv",
             OpKind::Split => "split",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::AllToAllV => "all_to_allv",
+            OpKind::Reduce => "reduce",
+            OpKind::Gather => "gather",
+            OpKind::Scatter => "scatter",
+            OpKind::AllGatherV => "all_gather_v",
+            OpKind::ReduceScatterV => "reduce_scatter_v",
+            OpKind::Batch => "batch",
         };
         let mut args: Vec<String> = Vec::new();
         if let Some(d) = self.dtype {
@@ -221,10 +275,13 @@ impl std::fmt::Display for OpDesc {
         if let Some(r) = self.reduce {
             args.push(r.name().into());
         }
-        if self.kind == OpKind::Broadcast {
+        if self.kind.rooted() {
             args.push(format!("root {}", self.root));
         }
-        if self.kind != OpKind::Barrier {
+        if !matches!(
+            self.kind,
+            OpKind::Barrier | OpKind::Batch | OpKind::AllToAllV
+        ) {
             args.push(format!("{} B", self.bytes));
         }
         if matches!(

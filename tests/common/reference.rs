@@ -102,7 +102,19 @@ pub fn read_int(dtype: DType, b: &[u8]) -> u64 {
 }
 
 pub fn check_all_reduce(dtype: DType, op: AllReduce, n: usize, data: &[u8]) -> Result<(), String> {
+    check_reduced_from(dtype, op, n, 0, data)
+}
+
+/// Checks `data` as elements `first..` of the reduction of every rank's [`fill`].
+pub fn check_reduced_from(
+    dtype: DType,
+    op: AllReduce,
+    n: usize,
+    first: usize,
+    data: &[u8],
+) -> Result<(), String> {
     for (i, b) in data.chunks(dtype.size()).enumerate() {
+        let i = first + i;
         if dtype.is_float() {
             let (got, want) = (read_elem(dtype, b), float_ref(op, n, i));
             if got != want {
