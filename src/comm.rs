@@ -8,13 +8,15 @@ use crate::api::{
 use crate::collectives::{bcast, direct, exchange, halving, hier, p2p, ring, rooted, tuning};
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
-use crate::error::{Error, Result};
+use crate::error::{Error, Peer, Result};
 use crate::transport::op::{OpDesc, OpKind, Scope};
 use crate::transport::rendezvous::Card;
+use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 struct Inner {
     /// None for a world of one.
@@ -24,8 +26,16 @@ struct Inner {
 
 pub use crate::collectives::{Algo, DOUBLING_MAX_BYTES};
 
+/// Why a communicator refuses work.
+enum Poison {
+    /// An operation failed (the error, in words).
+    Failed(String),
+    /// A rank's application aborted.
+    Aborted { by: Peer, reason: String },
+}
+
 /// A number for the calling thread, unique for the life of the process.
-fn this_thread() -> u64 {
+pub(crate) fn this_thread() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
     ID.with(|id| *id)
@@ -44,7 +54,17 @@ pub struct Comm {
     size: usize,
     inner: Mutex<Inner>,
     /// Set by the first failure; every later call returns it (readable while an op runs).
-    poisoned: Mutex<Option<String>>,
+    poisoned: Mutex<Option<Poison>>,
+    /// Through which [`Comm::abort`] stops an operation that runs (None for a world of one).
+    abort_request: Option<Arc<AbortRequest>>,
+    /// This rank, as errors name it.
+    me: Peer,
+    /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
+    pub(crate) executor: AtomicU64,
+    /// Non-blocking operations started and not yet finished; a blocking one waits for none.
+    pub(crate) pending: Mutex<usize>,
+    /// Signalled when `pending` drops to zero.
+    pub(crate) drained: Condvar,
     algo: Mutex<Algo>,
     /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
     /// out once: the hierarchical all_reduce needs it on every call).
@@ -79,12 +99,25 @@ impl Comm {
         Ok(Comm::with_link_of(cfg.clone(), link, cfg.algo))
     }
 
-    fn with_link_of(cfg: Config, link: Option<Box<dyn Transport>>, algo: Algo) -> Comm {
+    fn with_link_of(cfg: Config, mut link: Option<Box<dyn Transport>>, algo: Algo) -> Comm {
         let layout = link
             .as_ref()
             .and_then(|l| l.hosts().and_then(|h| hier::Layout::of(h, l.rank())));
+        let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
+        let me = link.as_ref().map_or(
+            Peer {
+                rank: cfg.rank,
+                addr: String::new(),
+            },
+            |l| l.peer(cfg.rank),
+        );
         Comm {
             layout,
+            abort_request,
+            me,
+            executor: AtomicU64::new(0),
+            pending: Mutex::new(0),
+            drained: Condvar::new(),
             rank: cfg.rank,
             size: cfg.world_size,
             inner: Mutex::new(Inner {
@@ -130,9 +163,11 @@ impl Comm {
         self.split_comm(0, self.rank as i32)
     }
 
-    /// Fails unless the calling thread owns this communicator.
-    fn check_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
-        if self.owner.load(Ordering::Relaxed) == this_thread() {
+    /// Fails unless the calling thread owns this communicator (or runs its non-blocking
+    /// operations).
+    pub(crate) fn check_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
+        let me = this_thread();
+        if self.owner.load(Ordering::Relaxed) == me || self.executor.load(Ordering::Relaxed) == me {
             return Ok(());
         }
         let t = std::thread::current();
@@ -288,6 +323,11 @@ impl Comm {
         Ok(Comm::with_link_of(sub_cfg, Some(link), self.algorithm()))
     }
 
+    /// The core the progress thread of [`Comm::overlap`] runs on (`RDMACOMM_PROGRESS_CPU`).
+    pub(crate) fn progress_cpu(&self) -> Option<usize> {
+        self.cfg.progress_cpu
+    }
+
     /// Chooses the all_reduce algorithm (every rank must choose the same).
     pub fn set_algorithm(&self, algo: Algo) {
         *self.algo.lock().unwrap_or_else(|e| e.into_inner()) = algo;
@@ -318,6 +358,7 @@ impl Comm {
         f: impl FnOnce(&mut dyn Link, &mut Vec<u8>) -> Result<T>,
     ) -> Result<T> {
         self.check_thread(&desc)?;
+        self.wait_started_ones();
         let mut g = self.lock();
         self.check_usable()?;
         let inner = &mut *g;
@@ -352,27 +393,91 @@ impl Comm {
         }
     }
 
+    /// On the owning thread, inside an [`Comm::overlap`] scope: waits until the non-blocking
+    /// operations started before have finished (operations run in call order). Each is bounded
+    /// by the timeout.
+    fn wait_started_ones(&self) {
+        if self.executor.load(Ordering::Relaxed) == this_thread() {
+            return;
+        }
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        while *p > 0 {
+            p = self.drained.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     fn poison(&self, e: &Error) {
-        self.poison_with(e.to_string());
+        let p = match e {
+            Error::Aborted { by, reason } => Poison::Aborted {
+                by: by.clone(),
+                reason: reason.clone(),
+            },
+            e => Poison::Failed(e.to_string()),
+        };
+        self.poison_as(p);
     }
 
     fn poison_with(&self, why: String) {
+        self.poison_as(Poison::Failed(why));
+    }
+
+    fn poison_as(&self, why: Poison) {
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
             *p = Some(why);
         }
     }
 
-    fn check_usable(&self) -> Result<()> {
+    pub(crate) fn check_usable(&self) -> Result<()> {
         match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
-            Some(why) => Err(Error::Poisoned(why.clone())),
+            Some(Poison::Failed(why)) => Err(Error::Poisoned(why.clone())),
+            Some(Poison::Aborted { by, reason }) => Err(Error::Aborted {
+                by: by.clone(),
+                reason: reason.clone(),
+            }),
             None => Ok(()),
+        }
+    }
+
+    /// Aborts this communicator from any thread: an operation running or waiting here returns
+    /// [`Error::Aborted`] within moments, as does every later one; every peer is told, and
+    /// their pending and later operations end alike, naming this rank and `reason`. Returns
+    /// once the peers have been told (or the timeout passed while an operation would not
+    /// stop).
+    pub fn abort(&self, reason: &str) {
+        self.poison_as(Poison::Aborted {
+            by: self.me.clone(),
+            reason: reason.to_string(),
+        });
+        let Some(req) = &self.abort_request else {
+            return;
+        };
+        req.request(reason);
+        // An operation that runs sees the request at its next poll; otherwise tell the peers here.
+        let until = Instant::now() + self.cfg.timeout + Duration::from_secs(1);
+        loop {
+            let g = match self.inner.try_lock() {
+                Ok(g) => Some(g),
+                Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut g) = g {
+                if let Some(l) = g.link.as_mut() {
+                    let _ = l.watch_mut().poll();
+                }
+                return;
+            }
+            if Instant::now() > until {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
     /// For a world of one: the checks an operation makes before it would touch the wire.
     fn alone(&self, what: &str) -> Result<()> {
         self.check_thread(&what)?;
+        self.wait_started_ones();
         self.check_usable()
     }
 }

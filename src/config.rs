@@ -15,7 +15,7 @@ use crate::verbs::DeviceChoice;
 use std::time::Duration;
 
 /// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
-pub const VARIABLES: [&str; 27] = [
+pub const VARIABLES: [&str; 28] = [
     "RDMACOMM_JOB_ID",
     "RDMACOMM_SECRET",
     "RDMACOMM_SECRET_FILE",
@@ -41,6 +41,7 @@ pub const VARIABLES: [&str; 27] = [
     "RDMACOMM_POLL",
     "RDMACOMM_ZERO_COPY_MIN",
     "RDMACOMM_PIN",
+    "RDMACOMM_PROGRESS_CPU",
     "RDMACOMM_COPY",
     "RDMACOMM_SIMD",
 ];
@@ -249,6 +250,9 @@ pub struct Config {
     pub host_id: String,
     /// Whether and where to pin the thread that creates the communicator (`RDMACOMM_PIN`).
     pub pin: crate::pin::Pin,
+    /// The core for the progress thread of `Comm::overlap` (`RDMACOMM_PROGRESS_CPU`; unset: not
+    /// pinned).
+    pub progress_cpu: Option<usize>,
     /// The all_reduce algorithm (`RDMACOMM_ALGO`, default auto).
     pub algo: Algo,
     /// The broadcast algorithm (`RDMACOMM_BCAST`, default auto).
@@ -470,6 +474,9 @@ impl Config {
             local_world: local_world_from_env(world_size)?,
             host_id: env("RDMACOMM_HOST_ID").unwrap_or_else(host_id),
             pin: crate::pin::Pin::parse(&env("RDMACOMM_PIN").unwrap_or_default())?,
+            progress_cpu: env("RDMACOMM_PROGRESS_CPU")
+                .map(|v| parse_num("RDMACOMM_PROGRESS_CPU", &v))
+                .transpose()?,
             algo: Algo::parse(env("RDMACOMM_ALGO").as_deref().unwrap_or("auto").trim())?,
             bcast: Bcast::parse(env("RDMACOMM_BCAST").as_deref().unwrap_or("auto").trim())?,
             poll: Poll::parse(env("RDMACOMM_POLL").as_deref().unwrap_or("auto").trim())?,
@@ -510,6 +517,7 @@ impl Config {
             local_world: None,
             host_id: host_id(),
             pin: crate::pin::Pin::Off,
+            progress_cpu: None,
             algo: Algo::Auto,
             bcast: Bcast::Auto,
             poll: Poll::Auto,

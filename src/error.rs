@@ -86,6 +86,15 @@ pub enum Error {
         /// The timeout in force.
         after: Duration,
     },
+    /// A rank's application called `Comm::abort` (this rank's, or a peer's told over the side
+    /// channel): every pending and later operation of the communicator ends with this.
+    #[error("aborted by {by}: {reason}")]
+    Aborted {
+        /// The rank that aborted.
+        by: Peer,
+        /// The reason it gave.
+        reason: String,
+    },
     /// The communicator failed earlier and refuses further work.
     #[error("communicator is unusable after an earlier failure: {0}")]
     Poisoned(String),
@@ -111,7 +120,8 @@ impl Error {
         match self {
             Error::PeerFailed { peer, .. }
             | Error::Timeout { peer, .. }
-            | Error::Mismatch { peer, .. } => Some(peer),
+            | Error::Mismatch { peer, .. }
+            | Error::Aborted { by: peer, .. } => Some(peer),
             _ => None,
         }
     }

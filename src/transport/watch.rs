@@ -3,7 +3,40 @@
 
 use crate::error::{Error, Peer, Result};
 use crate::transport::bootstrap::{SideChannel, STALL_VERDICT, STALL_WINDOW};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// How a failure record starts when the application aborted (`Comm::abort`): such a record
+/// becomes [`Error::Aborted`] on every rank.
+pub const ABORTED: &str = "aborted by the application";
+
+/// An abort asked for from any thread ([`Watch::abort_request`]): the transport's next poll
+/// turns it into this rank's failure and tells the group.
+#[derive(Debug, Default)]
+pub struct AbortRequest {
+    set: AtomicBool,
+    why: Mutex<String>,
+}
+
+impl AbortRequest {
+    /// Asks for the abort (the first reason stays).
+    pub fn request(&self, why: &str) {
+        let mut w = self.why.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.set.load(Ordering::Acquire) {
+            *w = why.to_string();
+            self.set.store(true, Ordering::Release);
+        }
+    }
+
+    /// The reason, if the abort was asked for.
+    pub fn reason(&self) -> Option<String> {
+        if !self.set.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(self.why.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+}
 
 /// Progress calls between reads of the side channel while a transport spins or yields.
 pub const SIDE_POLL_EVERY: u32 = 1024;
@@ -15,6 +48,7 @@ pub struct Watch {
     rank: usize,
     addrs: Vec<String>,
     calls: u32,
+    request: Arc<AbortRequest>,
 }
 
 impl Watch {
@@ -26,6 +60,7 @@ impl Watch {
             rank,
             addrs,
             calls: 0,
+            request: Arc::default(),
         }
     }
 
@@ -46,10 +81,34 @@ impl Watch {
 
     /// The recorded failure as an error, if any.
     pub fn error(&self) -> Option<Error> {
-        self.failed.as_ref().map(|(p, why)| Error::PeerFailed {
-            peer: self.peer(*p),
-            reason: why.clone(),
-        })
+        self.failed
+            .as_ref()
+            .map(|(p, why)| match why.strip_prefix(ABORTED) {
+                Some(rest) => Error::Aborted {
+                    by: self.peer(*p),
+                    reason: rest.trim_start_matches(": ").to_string(),
+                },
+                None => Error::PeerFailed {
+                    peer: self.peer(*p),
+                    reason: why.clone(),
+                },
+            })
+    }
+
+    /// The handle through which any thread asks this transport to abort.
+    pub fn abort_request(&self) -> Arc<AbortRequest> {
+        self.request.clone()
+    }
+
+    /// Turns an abort asked for into this rank's failure, told to the group.
+    fn take_request(&mut self) {
+        if self.failed.is_none() {
+            if let Some(why) = self.request.reason() {
+                let told = format!("{ABORTED}: {why}");
+                self.side.abort(self.rank, &told);
+                self.failed = Some((self.rank, told));
+            }
+        }
     }
 
     /// Records the first failure (blaming `p`), tells the group, and returns the error. A broken
@@ -156,6 +215,7 @@ impl Watch {
 
     /// Reads the side channel now: a peer's abort or a closed connection becomes our failure.
     pub fn poll(&mut self) -> Result<()> {
+        self.take_request();
         self.side.poll();
         if self.failed.is_none() {
             self.failed = self.side.failure();
@@ -168,7 +228,7 @@ impl Watch {
     /// time); a transport that backs off polls the side channel on every nap instead.
     pub fn poll_sometimes(&mut self) -> Result<()> {
         self.calls = self.calls.wrapping_add(1);
-        if self.calls % SIDE_POLL_EVERY == 0 {
+        if self.calls % SIDE_POLL_EVERY == 0 || self.request.set.load(Ordering::Relaxed) {
             self.poll()?;
         }
         self.error().map_or(Ok(()), Err)

@@ -1,0 +1,410 @@
+//! Non-blocking operations: [`Comm::overlap`] opens a scope in which operations start without
+//! waiting and run, in call order, on a progress thread while the caller computes (PyTorch DDP
+//! starts each gradient bucket's all_reduce as soon as backward has produced it).
+//!
+//! A started operation borrows its buffers for the whole scope and hands them back from
+//! [`Pending::wait`]; the scope waits for every operation before it returns, so neither a
+//! dropped nor a forgotten handle can leave the transport writing into freed memory (the
+//! design of `std::thread::scope`).
+
+use crate::api::{check_all_gather, check_all_reduce, check_peer, check_root, Communicator};
+use crate::comm::{this_thread, Comm};
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Result};
+use crate::tensor::Element;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a waiter polls a flag before it sleeps: a hand-over costs about a microsecond
+/// instead of a thread wake-up (tens of microseconds), which small operations would feel.
+const SPIN: Duration = Duration::from_micros(30);
+
+type Job<'env> = Box<dyn FnOnce() + Send + 'env>;
+
+/// The operations started and not yet taken by the progress thread.
+struct Queue<'env> {
+    jobs: Mutex<(VecDeque<Job<'env>>, bool)>,
+    queued: AtomicUsize,
+    ready: Condvar,
+}
+
+impl<'env> Queue<'env> {
+    fn push(&self, job: Job<'env>) {
+        let mut q = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        q.0.push_back(job);
+        self.queued.fetch_add(1, Ordering::Release);
+        self.ready.notify_one();
+    }
+
+    /// No more operations will come.
+    fn close(&self) {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.ready.notify_one();
+    }
+
+    /// The next operation, or None once closed and empty.
+    fn pop(&self) -> Option<Job<'env>> {
+        let t0 = Instant::now();
+        while self.queued.load(Ordering::Acquire) == 0 && t0.elapsed() < SPIN {
+            std::hint::spin_loop();
+        }
+        let mut q = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(j) = q.0.pop_front() {
+                self.queued.fetch_sub(1, Ordering::Release);
+                return Some(j);
+            }
+            if q.1 {
+                return None;
+            }
+            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Where an operation leaves its result and hands back its buffers.
+struct Slot<B> {
+    done: AtomicBool,
+    out: Mutex<Option<Result<B>>>,
+    cv: Condvar,
+}
+
+impl<B> Slot<B> {
+    fn put(&self, r: Result<B>) {
+        *self.out.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        self.done.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    fn wait_done(&self) {
+        let t0 = Instant::now();
+        while !self.done.load(Ordering::Acquire) && t0.elapsed() < SPIN {
+            std::hint::spin_loop();
+        }
+        let mut g = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.done.load(Ordering::Acquire) {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// An operation started in an [`Overlap`] scope. [`Pending::wait`] returns its result and hands
+/// back its output buffer; dropping it without waiting waits (the scope's end would anyway).
+#[must_use = "an operation's error is seen by waiting on it (or at the end of its scope)"]
+pub struct Pending<'env, B> {
+    slot: Arc<Slot<B>>,
+    _scope: PhantomData<&'env ()>,
+}
+
+impl<B> Pending<'_, B> {
+    /// Whether the operation has finished (never blocks).
+    pub fn test(&self) -> bool {
+        self.slot.done.load(Ordering::Acquire)
+    }
+
+    /// Waits for the operation (each of its waits is bounded by `RDMACOMM_TIMEOUT`) and hands
+    /// back its output buffer.
+    pub fn wait(self) -> Result<B> {
+        self.slot.wait_done();
+        self.slot
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("a finished operation's result, taken once")
+    }
+}
+
+impl<B> Drop for Pending<'_, B> {
+    fn drop(&mut self) {
+        self.slot.wait_done();
+    }
+}
+
+/// A scope of non-blocking operations on one communicator ([`Comm::overlap`]). Operations
+/// started here, and blocking ones called on the communicator meanwhile, run in call order,
+/// the same on every rank.
+pub struct Overlap<'env> {
+    comm: &'env Comm,
+    queue: Queue<'env>,
+    failed: Arc<AtomicBool>,
+    /// Invariant: buffers are borrowed for exactly the scope's environment.
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+impl Comm {
+    /// Runs `f` with a scope in which operations start without waiting ([`Overlap`]); they run,
+    /// in call order, on a progress thread (pinned to `RDMACOMM_PROGRESS_CPU` if set) while `f`
+    /// computes. Returns when every started operation has finished: `f`'s value, or the first
+    /// failure of an operation (the communicator then refuses further work, as after any
+    /// failure). Scopes do not nest.
+    ///
+    /// ```no_run
+    /// # let comm = rdmacomm::Comm::from_env()?;
+    /// use rdmacomm::AllReduce;
+    /// let mut grads = vec![1.0f32; 1 << 22];
+    /// comm.overlap(|s| -> rdmacomm::Result<()> {
+    ///     let mut pending = Vec::new();
+    ///     for bucket in grads.chunks_mut(1 << 20) {
+    ///         // ... backward produces `bucket` ...
+    ///         pending.push(s.all_reduce(bucket, AllReduce::Sum)?);
+    ///     }
+    ///     for p in pending {
+    ///         p.wait()?;
+    ///     }
+    ///     Ok(())
+    /// })??;
+    /// # Ok::<(), rdmacomm::Error>(())
+    /// ```
+    pub fn overlap<'env, F, R>(&'env self, f: F) -> Result<R>
+    where
+        F: FnOnce(&Overlap<'env>) -> R,
+    {
+        self.check_thread(&"overlap")?;
+        if self.executor.load(Ordering::Relaxed) != 0 {
+            return Err(Error::InvalidArgument(
+                "overlap: a scope is open on this communicator already (scopes do not nest)".into(),
+            ));
+        }
+        self.check_usable()?;
+        let scope = Overlap {
+            comm: self,
+            queue: Queue {
+                jobs: Mutex::new((VecDeque::new(), false)),
+                queued: AtomicUsize::new(0),
+                ready: Condvar::new(),
+            },
+            failed: Arc::new(AtomicBool::new(false)),
+            _env: PhantomData,
+        };
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let r = std::thread::scope(|ts| {
+            let s = &scope;
+            let cpu = self.progress_cpu();
+            let progress = std::thread::Builder::new()
+                .name("rdmacomm-progress".into())
+                .spawn_scoped(ts, move || {
+                    if let Some(id) = cpu {
+                        core_affinity::set_for_current(core_affinity::CoreId { id });
+                    }
+                    s.comm.executor.store(this_thread(), Ordering::Relaxed);
+                    let _ = started_tx.send(());
+                    while let Some(job) = s.queue.pop() {
+                        job();
+                    }
+                    s.comm.executor.store(0, Ordering::Relaxed);
+                });
+            let progress = match progress {
+                Ok(p) => p,
+                Err(e) => return Err(Error::Io(e)),
+            };
+            // The executor is known before the first operation is checked against it.
+            let _ = started_rx.recv();
+            let r = catch_unwind(AssertUnwindSafe(|| f(s)));
+            s.queue.close();
+            let _ = progress.join();
+            Ok(r)
+        })?;
+        let r = match r {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        if scope.failed.load(Ordering::Acquire) {
+            self.check_usable()?;
+        }
+        Ok(r)
+    }
+}
+
+impl<'env> Overlap<'env> {
+    /// The communicator this scope runs on.
+    pub fn comm(&self) -> &'env Comm {
+        self.comm
+    }
+
+    /// Queues `op` (which hands back its buffers) after the operations started before.
+    fn start<B: Send + 'env>(
+        &self,
+        op: impl FnOnce(&Comm) -> (Result<()>, B) + Send + 'env,
+    ) -> Result<Pending<'env, B>> {
+        self.comm.check_thread(&"a non-blocking operation")?;
+        self.comm.check_usable()?;
+        let slot = Arc::new(Slot {
+            done: AtomicBool::new(false),
+            out: Mutex::new(None),
+            cv: Condvar::new(),
+        });
+        let (to, comm, failed) = (slot.clone(), self.comm, self.failed.clone());
+        *comm.pending.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.queue.push(Box::new(move || {
+            let r = match catch_unwind(AssertUnwindSafe(|| op(comm))) {
+                Ok((r, b)) => r.map(|()| b),
+                // The operation poisoned the communicator and told the peers.
+                Err(_) => comm.check_usable().and(Err(Error::Poisoned(
+                    "a non-blocking operation panicked".into(),
+                ))),
+            };
+            if r.is_err() {
+                failed.store(true, Ordering::Release);
+            }
+            to.put(r);
+            let mut p = comm.pending.lock().unwrap_or_else(|e| e.into_inner());
+            *p -= 1;
+            if *p == 0 {
+                comm.drained.notify_all();
+            }
+        }));
+        Ok(Pending {
+            slot,
+            _scope: PhantomData,
+        })
+    }
+
+    /// Starts [`Communicator::all_reduce`] of `data` (elements of `T`).
+    pub fn all_reduce<T: Element + Send + Sync>(
+        &self,
+        data: &'env mut [T],
+        op: AllReduce,
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        self.start(move |c| {
+            let r = c.all_reduce(op, T::DTYPE, bytemuck::cast_slice_mut(data));
+            (r, data)
+        })
+    }
+
+    /// Starts [`Communicator::all_reduce`] of `data` as bytes of `dtype`.
+    pub fn all_reduce_bytes(
+        &self,
+        op: AllReduce,
+        dtype: DType,
+        data: &'env mut [u8],
+    ) -> Result<Pending<'env, &'env mut [u8]>> {
+        check_all_reduce(dtype, data)?;
+        self.start(move |c| (c.all_reduce(op, dtype, data), data))
+    }
+
+    /// Starts [`Communicator::all_gather`] of `input` into `output` (handed back).
+    pub fn all_gather<T: Element + Send + Sync>(
+        &self,
+        input: &'env [T],
+        output: &'env mut [T],
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        let (i, o) = (bytemuck::cast_slice(input), bytemuck::cast_slice(output));
+        check_all_gather(self.comm.size(), i, o)?;
+        self.start(move |c| {
+            let r = c.all_gather(
+                bytemuck::cast_slice(input),
+                bytemuck::cast_slice_mut(output),
+            );
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::reduce_scatter_v`] with equal parts: rank r's `output` is the
+    /// reduction of every rank's part r of `input` (`size * output.len()` elements).
+    pub fn reduce_scatter<T: Element + Send + Sync>(
+        &self,
+        input: &'env [T],
+        output: &'env mut [T],
+        op: AllReduce,
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        let lens = vec![std::mem::size_of_val(output); self.comm.size()];
+        self.start(move |c| {
+            let r = c.reduce_scatter_v(
+                op,
+                T::DTYPE,
+                bytemuck::cast_slice(input),
+                bytemuck::cast_slice_mut(output),
+                &lens,
+            );
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::broadcast`] of `data` from `root`.
+    pub fn broadcast<T: Element + Send + Sync>(
+        &self,
+        data: &'env mut [T],
+        root: usize,
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        check_root(root, self.comm.size())?;
+        self.start(move |c| (c.broadcast(root, bytemuck::cast_slice_mut(data)), data))
+    }
+
+    /// Starts [`Communicator::reduce`] of `data` to `root`.
+    pub fn reduce<T: Element + Send + Sync>(
+        &self,
+        data: &'env mut [T],
+        op: AllReduce,
+        root: usize,
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        check_root(root, self.comm.size())?;
+        self.start(move |c| {
+            let r = c.reduce(root, op, T::DTYPE, bytemuck::cast_slice_mut(data));
+            (r, data)
+        })
+    }
+
+    /// Starts [`Communicator::all_to_all`] of `input` into `output` (handed back).
+    pub fn all_to_all<T: Element + Send + Sync>(
+        &self,
+        input: &'env [T],
+        output: &'env mut [T],
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        self.start(move |c| {
+            let r = c.all_to_all(
+                bytemuck::cast_slice(input),
+                bytemuck::cast_slice_mut(output),
+            );
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::send`] of `data` to `dst`.
+    pub fn send<T: Element + Send + Sync>(
+        &self,
+        dst: usize,
+        data: &'env [T],
+    ) -> Result<Pending<'env, ()>> {
+        check_peer("send", self.comm.rank(), self.comm.size(), dst)?;
+        self.start(move |c| (c.send(dst, bytemuck::cast_slice(data)), ()))
+    }
+
+    /// Starts [`Communicator::recv`] into `data` from `src`.
+    pub fn recv<T: Element + Send + Sync>(
+        &self,
+        src: usize,
+        data: &'env mut [T],
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        check_peer("recv", self.comm.rank(), self.comm.size(), src)?;
+        self.start(move |c| (c.recv(src, bytemuck::cast_slice_mut(data)), data))
+    }
+
+    /// Starts [`Communicator::sendrecv`]: `send` to `dst` while `recv` comes from `src`.
+    pub fn sendrecv<T: Element + Send + Sync>(
+        &self,
+        dst: usize,
+        send: &'env [T],
+        src: usize,
+        recv: &'env mut [T],
+    ) -> Result<Pending<'env, &'env mut [T]>> {
+        self.start(move |c| {
+            let r = c.sendrecv(
+                dst,
+                bytemuck::cast_slice(send),
+                src,
+                bytemuck::cast_slice_mut(recv),
+            );
+            (r, recv)
+        })
+    }
+
+    /// Starts [`Communicator::barrier`].
+    pub fn barrier(&self) -> Result<Pending<'env, ()>> {
+        self.start(move |c| (c.barrier(), ()))
+    }
+}

@@ -1,0 +1,256 @@
+//! Non-blocking operations (`Comm::overlap`) and `Comm::abort`, multi-process over the transport
+//! under test: several operations in flight mixed with blocking ones, waited out of order or not
+//! at all, checked against a scalar re-computation; an abort from another thread ends every
+//! pending and blocked operation on every rank with an error naming the rank that aborted.
+
+mod common;
+use common::*;
+use rdmacomm::{AllReduce, Comm, Communicator, DType, Error};
+use std::time::{Duration, Instant};
+
+/// Rank r's element i of buffer k (small integers: sums exact in f32).
+fn val(k: usize, r: usize, i: usize) -> f32 {
+    ((k * 7 + r * 3 + i) % 23) as f32 - 11.0
+}
+
+fn filled(k: usize, r: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| val(k, r, i)).collect()
+}
+
+fn summed(k: usize, n: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (0..n).map(|r| val(k, r, i)).sum())
+        .collect()
+}
+
+fn in_flight_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let lens = [0usize, 1, 1000, 300_000, 2_000_000];
+    for round in 0..3 {
+        let mut bufs: Vec<Vec<f32>> = (0..lens.len())
+            .map(|k| filled(k + round, r, lens[k]))
+            .collect();
+        let mut blocking = filled(99 + round, r, 4097);
+        let mut bcast: Vec<f32> = if r == n - 1 {
+            filled(50 + round, r, 70_000)
+        } else {
+            vec![0.0; 70_000]
+        };
+        let mine: Vec<f32> = filled(60 + round, r, 3000);
+        let mut gathered = vec![0f32; 3000 * n];
+        let mut dropped = filled(70 + round, r, 5000);
+        c.overlap(|s| -> rdmacomm::Result<()> {
+            let mut it = bufs.iter_mut();
+            let p0 = s.all_reduce(it.next().unwrap(), AllReduce::Sum)?;
+            let p1 = s.all_reduce(it.next().unwrap(), AllReduce::Sum)?;
+            let p2 = s.all_reduce(it.next().unwrap(), AllReduce::Sum)?;
+            let pb = s.broadcast(&mut bcast, n - 1)?;
+            // A blocking call in the middle runs after those started before it.
+            c.all_reduce(
+                AllReduce::Sum,
+                DType::f32,
+                bytemuck::cast_slice_mut(&mut blocking),
+            )?;
+            assert!(
+                p0.test() && p1.test() && p2.test() && pb.test(),
+                "started before"
+            );
+            let p3 = s.all_reduce(it.next().unwrap(), AllReduce::Sum)?;
+            let pg = s.all_gather(&mine, &mut gathered)?;
+            let p4 = s.all_reduce(it.next().unwrap(), AllReduce::Sum)?;
+            // Dropped without a wait: it still completes before the scope ends.
+            drop(s.all_reduce(&mut dropped, AllReduce::Sum)?);
+            // Waited out of order.
+            let b4 = p4.wait()?;
+            assert_eq!(b4.len(), lens[4]);
+            pg.wait()?;
+            p1.wait()?;
+            p3.wait()?;
+            p0.wait()?;
+            // p2 and pb are never waited: the scope waits for them.
+            drop((p2, pb));
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+        .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        for (k, b) in bufs.iter().enumerate() {
+            assert_eq!(b, &summed(k + round, n, lens[k]), "rank {r}: buffer {k}");
+        }
+        assert_eq!(blocking, summed(99 + round, n, 4097), "rank {r}: blocking");
+        assert_eq!(
+            bcast,
+            filled(50 + round, n - 1, 70_000),
+            "rank {r}: broadcast"
+        );
+        let want: Vec<f32> = (0..n).flat_map(|q| filled(60 + round, q, 3000)).collect();
+        assert_eq!(gathered, want, "rank {r}: all_gather");
+        assert_eq!(
+            dropped,
+            summed(70 + round, n, 5000),
+            "rank {r}: dropped handle"
+        );
+    }
+    // Blocking operations after the scopes, and a nested scope refused.
+    let mut after = filled(7, r, 100);
+    c.all_reduce(
+        AllReduce::Sum,
+        DType::f32,
+        bytemuck::cast_slice_mut(&mut after),
+    )
+    .unwrap();
+    assert_eq!(after, summed(7, n, 100));
+    let nested = c.overlap(|_| c.overlap(|_| ()).map(|_| ())).unwrap();
+    assert!(
+        matches!(&nested, Err(Error::InvalidArgument(m)) if m.contains("do not nest")),
+        "{nested:?}"
+    );
+    println!("rank {r}: non-blocking operations checked");
+}
+
+/// Rank 0 aborts from a second thread while every rank waits: in a non-blocking receive that
+/// nobody matches (in a scope), or in a blocking one.
+fn abort_body() {
+    let (r, n) = rank_size();
+    let blocking = std::env::var("ABORT_CASE").unwrap() == "blocking";
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    c.barrier().unwrap();
+    let t0 = Instant::now();
+    let err = std::thread::scope(|ts| {
+        if r == 0 {
+            let c = &c;
+            ts.spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                c.abort("the test's watchdog fired");
+            });
+        }
+        let mut buf = vec![0f32; 1000];
+        let from = (r + 1) % n;
+        if blocking {
+            c.recv(from, bytemuck::cast_slice_mut(&mut buf))
+                .unwrap_err()
+        } else {
+            c.overlap(|s| s.recv(from, &mut buf).and_then(|p| p.wait()).map(|_| ()))
+                .and_then(|r| r)
+                .unwrap_err()
+        }
+    });
+    let took = t0.elapsed();
+    match &err {
+        Error::Aborted { by, reason } => {
+            assert_eq!(by.rank, 0, "rank {r}: {err}");
+            assert!(reason.contains("watchdog fired"), "rank {r}: {err}");
+        }
+        e => panic!("rank {r}: want Aborted naming rank 0, got {e}"),
+    }
+    // Every later operation is refused alike.
+    let later = c.barrier().unwrap_err();
+    assert!(matches!(later, Error::Aborted { .. }), "rank {r}: {later}");
+    println!("RESULT rank {r}: aborted after {took:?}: {err}");
+}
+
+/// The last rank dies while the others have operations pending in a scope.
+fn death_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    c.barrier().unwrap();
+    if r == n - 1 {
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::exit(3);
+    }
+    let t0 = Instant::now();
+    let mut a = vec![1f32; 1 << 20];
+    let mut b = vec![1f32; 1000];
+    let res = c.overlap(|s| -> rdmacomm::Result<()> {
+        let pa = s.all_reduce(&mut a, AllReduce::Sum)?;
+        let pb = s.all_reduce(&mut b, AllReduce::Sum)?;
+        let ea = pa.wait().map(|_| ()).unwrap_err();
+        let eb = pb.wait().map(|_| ()).unwrap_err();
+        assert!(
+            ea.to_string().contains(&format!("rank {}", n - 1)),
+            "rank {r}: {ea}"
+        );
+        assert!(
+            matches!(eb, Error::Poisoned(_)),
+            "rank {r}: the next one refused: {eb}"
+        );
+        Err(ea)
+    });
+    // The scope ends with the failure too (its operations failed).
+    let e = res.unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("rank {}", n - 1)),
+        "rank {r}: {e}"
+    );
+    println!("RESULT rank {r}: failed after {:?}: {e}", t0.elapsed());
+    std::process::exit(0);
+}
+
+#[test]
+fn a_dead_peer_fails_every_pending_operation() {
+    let name = "a_dead_peer_fails_every_pending_operation";
+    if !parent_ready(name, death_body) {
+        return;
+    }
+    let t0 = Instant::now();
+    let res = spawn(
+        name,
+        3,
+        Placement::Local,
+        &|_| vec![("RDMACOMM_TIMEOUT".into(), "30".into())],
+        Duration::from_secs(60),
+    );
+    for x in &res[..2] {
+        assert_eq!(x.code, Some(0), "rank {}:\n{}", x.rank, x.output);
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn operations_in_flight_with_blocking_ones() {
+    let name = "operations_in_flight_with_blocking_ones";
+    if !parent_ready(name, in_flight_body) {
+        return;
+    }
+    for n in [1, 2, 3, 4] {
+        spawn_local_ok(name, n, &[], Duration::from_secs(300));
+    }
+}
+
+#[test]
+fn abort_ends_every_pending_call_on_every_rank() {
+    let name = "abort_ends_every_pending_call_on_every_rank";
+    if !parent_ready(name, abort_body) {
+        return;
+    }
+    for case in ["overlap", "blocking"] {
+        let t0 = Instant::now();
+        let res = spawn(
+            name,
+            3,
+            Placement::Local,
+            &|_| {
+                vec![
+                    ("RDMACOMM_TIMEOUT".into(), "30".into()),
+                    ("ABORT_CASE".into(), case.into()),
+                ]
+            },
+            Duration::from_secs(60),
+        );
+        assert_all_ok(&res);
+        for x in &res {
+            let line = x.output.lines().find(|l| l.contains("RESULT")).unwrap();
+            println!("{case}: {line}");
+        }
+        // Far below the 30 s timeout: the abort, not a timeout, ended the waits.
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "{case}: took {:?}",
+            t0.elapsed()
+        );
+    }
+}
