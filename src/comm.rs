@@ -397,7 +397,7 @@ impl Comm {
     /// operations started before have finished (operations run in call order). Each is bounded
     /// by the timeout.
     fn wait_started_ones(&self) {
-        if self.executor.load(Ordering::Relaxed) == this_thread() {
+        if crate::overlap::in_job() {
             return;
         }
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
@@ -733,8 +733,7 @@ impl Communicator for Comm {
             return self.alone("reduce");
         }
         let medium = self.lock().link.as_ref().map(|l| l.medium());
-        let tree = self.size == 2
-            || data.len() <= tuning::reduce_tree_max(medium.expect("a link"), self.size);
+        let tree = self.size == 2 || data.len() <= tuning::reduce_tree_max(medium.expect("a link"));
         let desc = OpDesc {
             dtype: Some(dtype),
             reduce: Some(op),

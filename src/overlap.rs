@@ -15,54 +15,127 @@ use crate::tensor::Element;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long a waiter polls a flag before it sleeps: a hand-over costs about a microsecond
-/// instead of a thread wake-up (tens of microseconds), which small operations would feel.
-const SPIN: Duration = Duration::from_micros(30);
+/// How long a waiter polls its operation's flag before it sleeps (a hand-over then costs
+/// about a microsecond instead of a thread wake-up).
+const SPIN: Duration = Duration::from_micros(20);
 
 type Job<'env> = Box<dyn FnOnce() + Send + 'env>;
 
-/// The operations started and not yet taken by the progress thread.
-struct Queue<'env> {
-    jobs: Mutex<(VecDeque<Job<'env>>, bool)>,
-    queued: AtomicUsize,
-    ready: Condvar,
+thread_local! {
+    /// Whether this thread is running an operation of a scope (then a blocking call inside it
+    /// must not wait for the scope's operations: it is one of them).
+    static IN_JOB: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
+
+/// Whether the calling thread runs a scope's operation now.
+pub(crate) fn in_job() -> bool {
+    IN_JOB.with(|j| j.get())
+}
+
+/// The operations started and not yet run, and the token to run them: whoever holds it (the
+/// progress thread, or a caller waiting on an operation that has not begun) runs the next one,
+/// so operations run one at a time in call order.
+struct Queue<'env> {
+    state: Mutex<QueueState<'env>>,
+    changed: Condvar,
+}
+
+struct QueueState<'env> {
+    jobs: VecDeque<Job<'env>>,
+    closed: bool,
+    running: bool,
+    /// The progress thread sleeps until woken (else it looks again every [`LOOK_EVERY`]).
+    asleep: bool,
+}
+
+/// While operations come, the progress thread looks for one this often instead of being woken
+/// by each start: a start then costs no wake-up, which a waiter that runs its operation itself
+/// (started and waited at once) would pay for nothing.
+const LOOK_EVERY: Duration = Duration::from_micros(200);
+/// Without a start for this long, the progress thread sleeps until woken.
+const DOZE_AFTER: Duration = Duration::from_millis(20);
 
 impl<'env> Queue<'env> {
     fn push(&self, job: Job<'env>) {
-        let mut q = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
-        q.0.push_back(job);
-        self.queued.fetch_add(1, Ordering::Release);
-        self.ready.notify_one();
+        let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        q.jobs.push_back(job);
+        if q.asleep {
+            self.changed.notify_all();
+        }
     }
 
     /// No more operations will come.
     fn close(&self) {
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
-        self.ready.notify_one();
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+        self.changed.notify_all();
     }
 
-    /// The next operation, or None once closed and empty.
-    fn pop(&self) -> Option<Job<'env>> {
-        let t0 = Instant::now();
-        while self.queued.load(Ordering::Acquire) == 0 && t0.elapsed() < SPIN {
-            std::hint::spin_loop();
+    /// Runs `job` holding the token, then gives the token back.
+    fn run(&self, job: Job<'env>) {
+        IN_JOB.with(|j| j.set(true));
+        job();
+        IN_JOB.with(|j| j.set(false));
+        let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        q.running = false;
+        // Only a queued operation waits for the token.
+        if !q.jobs.is_empty() {
+            self.changed.notify_all();
         }
-        let mut q = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+    }
+
+    /// The progress thread: runs operations as they come, until closed and empty.
+    fn serve(&self) {
+        let mut last = Instant::now();
         loop {
-            if let Some(j) = q.0.pop_front() {
-                self.queued.fetch_sub(1, Ordering::Release);
-                return Some(j);
+            let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if !q.running {
+                    if let Some(j) = q.jobs.pop_front() {
+                        q.running = true;
+                        drop(q);
+                        self.run(j);
+                        last = Instant::now();
+                        break;
+                    }
+                    if q.closed {
+                        return;
+                    }
+                }
+                if !q.jobs.is_empty() {
+                    last = Instant::now();
+                }
+                q.asleep = last.elapsed() > DOZE_AFTER;
+                q = if q.asleep {
+                    self.changed.wait(q).unwrap_or_else(|e| e.into_inner())
+                } else {
+                    let (q, _) = self
+                        .changed
+                        .wait_timeout(q, LOOK_EVERY)
+                        .unwrap_or_else(|e| e.into_inner());
+                    q
+                };
             }
-            if q.1 {
-                return None;
-            }
-            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// A waiting caller: runs the next operation itself if nobody runs one (operations started
+    /// and waited at once then cost what a blocking call does). Whether it ran one.
+    fn help(&self) -> bool {
+        let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if q.running {
+            return false;
+        }
+        let Some(j) = q.jobs.pop_front() else {
+            return false;
+        };
+        q.running = true;
+        drop(q);
+        self.run(j);
+        true
     }
 }
 
@@ -79,17 +152,6 @@ impl<B> Slot<B> {
         self.done.store(true, Ordering::Release);
         self.cv.notify_all();
     }
-
-    fn wait_done(&self) {
-        let t0 = Instant::now();
-        while !self.done.load(Ordering::Acquire) && t0.elapsed() < SPIN {
-            std::hint::spin_loop();
-        }
-        let mut g = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        while !self.done.load(Ordering::Acquire) {
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-    }
 }
 
 /// An operation started in an [`Overlap`] scope. [`Pending::wait`] returns its result and hands
@@ -97,7 +159,9 @@ impl<B> Slot<B> {
 #[must_use = "an operation's error is seen by waiting on it (or at the end of its scope)"]
 pub struct Pending<'env, B> {
     slot: Arc<Slot<B>>,
-    _scope: PhantomData<&'env ()>,
+    queue: Arc<Queue<'env>>,
+    /// Waited on by the thread that started it (which may run it): not sent elsewhere.
+    _here: PhantomData<*const ()>,
 }
 
 impl<B> Pending<'_, B> {
@@ -106,10 +170,29 @@ impl<B> Pending<'_, B> {
         self.slot.done.load(Ordering::Acquire)
     }
 
+    /// Until the operation is done: runs it (and those before it) here where the progress
+    /// thread has not begun them, else waits for it.
+    fn finish(&self) {
+        while !self.slot.done.load(Ordering::Acquire) {
+            if self.queue.help() {
+                continue;
+            }
+            let t0 = Instant::now();
+            while !self.slot.done.load(Ordering::Acquire) && t0.elapsed() < SPIN {
+                std::hint::spin_loop();
+            }
+            let g = self.slot.out.lock().unwrap_or_else(|e| e.into_inner());
+            if !self.slot.done.load(Ordering::Acquire) {
+                // Woken by the result; the timed wait re-checks whether the token came free.
+                let _ = self.slot.cv.wait_timeout(g, Duration::from_millis(1));
+            }
+        }
+    }
+
     /// Waits for the operation (each of its waits is bounded by `RDMACOMM_TIMEOUT`) and hands
     /// back its output buffer.
     pub fn wait(self) -> Result<B> {
-        self.slot.wait_done();
+        self.finish();
         self.slot
             .out
             .lock()
@@ -121,7 +204,7 @@ impl<B> Pending<'_, B> {
 
 impl<B> Drop for Pending<'_, B> {
     fn drop(&mut self) {
-        self.slot.wait_done();
+        self.finish();
     }
 }
 
@@ -130,7 +213,7 @@ impl<B> Drop for Pending<'_, B> {
 /// the same on every rank.
 pub struct Overlap<'env> {
     comm: &'env Comm,
-    queue: Queue<'env>,
+    queue: Arc<Queue<'env>>,
     failed: Arc<AtomicBool>,
     /// Invariant: buffers are borrowed for exactly the scope's environment.
     _env: PhantomData<&'env mut &'env ()>,
@@ -173,11 +256,15 @@ impl Comm {
         self.check_usable()?;
         let scope = Overlap {
             comm: self,
-            queue: Queue {
-                jobs: Mutex::new((VecDeque::new(), false)),
-                queued: AtomicUsize::new(0),
-                ready: Condvar::new(),
-            },
+            queue: Arc::new(Queue {
+                state: Mutex::new(QueueState {
+                    jobs: VecDeque::new(),
+                    closed: false,
+                    running: false,
+                    asleep: true,
+                }),
+                changed: Condvar::new(),
+            }),
             failed: Arc::new(AtomicBool::new(false)),
             _env: PhantomData,
         };
@@ -193,9 +280,7 @@ impl Comm {
                     }
                     s.comm.executor.store(this_thread(), Ordering::Relaxed);
                     let _ = started_tx.send(());
-                    while let Some(job) = s.queue.pop() {
-                        job();
-                    }
+                    s.queue.serve();
                     s.comm.executor.store(0, Ordering::Relaxed);
                 });
             let progress = match progress {
@@ -260,7 +345,8 @@ impl<'env> Overlap<'env> {
         }));
         Ok(Pending {
             slot,
-            _scope: PhantomData,
+            queue: self.queue.clone(),
+            _here: PhantomData,
         })
     }
 

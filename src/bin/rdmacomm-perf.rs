@@ -3,9 +3,13 @@
 //! Per rank under any launcher (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, Open MPI, PMI, Slurm),
 //! or `--local N` to start N local ranks itself. Sizes from `-b` to `-e` by factor `-f`; `-n`
 //! timed iterations after `-w` warm-ups; `-c 1` checks every result against a reference;
-//! `-d` dtype, `-o` op, `--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast`.
-//! busbw as nccl-tests: all_reduce algbw x 2(n-1)/n; all_gather, sum_scatter algbw x (n-1)/n;
-//! sendrecv and broadcast algbw. Time is the slowest rank's mean per iteration.
+//! `-d` dtype, `-o` op, `--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast|
+//! all_to_all|reduce|gather|scatter`; `--nb 1` runs each operation non-blocking (started in a
+//! `Comm::overlap` scope and waited at once); `--overlap 1` measures how much of an all_reduce a
+//! compute kernel on the calling thread hides. busbw as nccl-tests: all_reduce algbw x
+//! 2(n-1)/n; all_gather, sum_scatter, all_to_all, gather, scatter algbw x (n-1)/n (size: the
+//! whole buffer); sendrecv, broadcast and reduce algbw. Time is the slowest rank's mean per
+//! iteration.
 
 use rdmacomm::{Algo, AllReduce, Comm, Communicator, DType};
 use std::time::Instant;
@@ -26,6 +30,10 @@ struct Opts {
     algo: Option<Algo>,
     /// Register the buffers once (`Communicator::with_registered`), as nccl-tests' `-R 1`.
     register: bool,
+    /// Run each operation non-blocking, started and waited at once.
+    nb: bool,
+    /// Measure overlap of an all_reduce with computation instead.
+    overlap: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -55,6 +63,8 @@ fn parse() -> Result<Opts, String> {
         local: None,
         algo: None,
         register: false,
+        nb: false,
+        overlap: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -73,12 +83,15 @@ fn parse() -> Result<Opts, String> {
             "--coll" => o.coll = v.clone(),
             "--algo" => o.algo = Some(Algo::parse(&v).map_err(|e| e.to_string())?),
             "-R" | "--register" => o.register = v != "0",
+            "--nb" => o.nb = v != "0",
+            "--overlap" => o.overlap = v != "0",
             "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
             "-h" | "--help" => {
                 println!(
                     "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-R 0|1] \
                      [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
-                     [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast] [--algo ring|halving|doubling|direct|auto]"
+                     [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast|all_to_all|reduce|gather|scatter] \
+                     [--algo ring|halving|doubling|direct|auto] [--nb 0|1] [--overlap 0|1]"
                 );
                 std::process::exit(0);
             }
@@ -92,10 +105,17 @@ fn parse() -> Result<Opts, String> {
         "sum_scatter",
         "sendrecv",
         "broadcast",
+        "all_to_all",
+        "reduce",
+        "gather",
+        "scatter",
     ]
     .contains(&o.coll.as_str())
     {
         return Err(format!("unknown --coll {:?}", o.coll));
+    }
+    if o.nb && o.coll != "all_reduce" {
+        return Err("--nb 1 times all_reduce only".into());
     }
     if o.factor < 2 || o.iters == 0 || o.min > o.max {
         return Err("need -f >= 2, -n >= 1 and -b <= -e".into());
@@ -230,6 +250,78 @@ fn run_once(
                 }
             }
         }
+        "all_to_all" => {
+            let per = bytes / n;
+            if check {
+                for q in 0..n {
+                    fill(
+                        o.dtype,
+                        AllReduce::Sum,
+                        r * n + q,
+                        0,
+                        &mut a[q * per..(q + 1) * per],
+                    );
+                }
+            }
+            c.all_to_all(&a[..per * n], &mut b[..per * n])?;
+            if check {
+                for q in 0..n {
+                    for (i, e) in b[q * per..(q + 1) * per].chunks(s).enumerate() {
+                        wrong +=
+                            u64::from(decode(o.dtype, e) != value(AllReduce::Sum, q * n + r, i));
+                    }
+                }
+            }
+        }
+        "reduce" => {
+            let root = 0;
+            let buf = &mut a[..bytes];
+            if check {
+                fill(o.dtype, o.op, r, 0, buf);
+            }
+            c.reduce(root, o.op, o.dtype, buf)?;
+            if check && r == root {
+                for (i, e) in buf.chunks(s).enumerate() {
+                    wrong += u64::from(decode(o.dtype, e) != reference(o.op, n, i));
+                }
+            }
+        }
+        "gather" => {
+            let (per, root) = (bytes / n, 0);
+            if check {
+                fill(o.dtype, AllReduce::Sum, r, 0, &mut a[..per]);
+            }
+            let out = if r == root { per * n } else { 0 };
+            c.gather(root, &a[..per], &mut b[..out])?;
+            if check && r == root {
+                for q in 0..n {
+                    for (i, e) in b[q * per..(q + 1) * per].chunks(s).enumerate() {
+                        wrong += u64::from(decode(o.dtype, e) != value(AllReduce::Sum, q, i));
+                    }
+                }
+            }
+        }
+        "scatter" => {
+            let (per, root) = (bytes / n, 0);
+            if check && r == root {
+                for q in 0..n {
+                    fill(
+                        o.dtype,
+                        AllReduce::Sum,
+                        q,
+                        0,
+                        &mut a[q * per..(q + 1) * per],
+                    );
+                }
+            }
+            let input = if r == root { per * n } else { 0 };
+            c.scatter(root, &a[..input], &mut b[..per])?;
+            if check {
+                for (i, e) in b[..per].chunks(s).enumerate() {
+                    wrong += u64::from(decode(o.dtype, e) != value(AllReduce::Sum, r, i));
+                }
+            }
+        }
         _ => {
             // Pairs (0,1), (2,3), ...: the even rank sends, then receives back. An odd rank out idles.
             let peer = r ^ 1;
@@ -272,14 +364,30 @@ fn sweep(
         } else {
             0
         };
-        for _ in 0..o.warmup {
-            run_once(c, o, bytes, a, b, false)?;
-        }
-        let t0 = Instant::now();
-        for _ in 0..o.iters {
-            run_once(c, o, bytes, a, b, false)?;
-        }
-        let mut us = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+        let mut us = if o.nb {
+            // Started and waited at once, each in the scope's order: the buffer comes back
+            // from every wait for the next start.
+            c.overlap(|sc| -> rdmacomm::Result<f64> {
+                let mut buf = &mut a[..bytes];
+                for _ in 0..o.warmup {
+                    buf = sc.all_reduce_bytes(o.op, o.dtype, buf)?.wait()?;
+                }
+                let t0 = Instant::now();
+                for _ in 0..o.iters {
+                    buf = sc.all_reduce_bytes(o.op, o.dtype, buf)?.wait()?;
+                }
+                Ok(t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64)
+            })??
+        } else {
+            for _ in 0..o.warmup {
+                run_once(c, o, bytes, a, b, false)?;
+            }
+            let t0 = Instant::now();
+            for _ in 0..o.iters {
+                run_once(c, o, bytes, a, b, false)?;
+            }
+            t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64
+        };
         // Slowest rank's time and total wrong count.
         let mut t = us.to_le_bytes();
         c.all_reduce(AllReduce::Max, DType::f64, &mut t)?;
@@ -327,7 +435,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     }
     let (r, n, s) = (c.rank(), c.size(), o.dtype.size());
     let unit = match o.coll.as_str() {
-        "all_gather" | "sum_scatter" => s * n,
+        "all_gather" | "sum_scatter" | "all_to_all" | "gather" | "scatter" => s * n,
         _ => s,
     };
     let mut sizes = Vec::new();
@@ -340,6 +448,9 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     let mut a = vec![0u8; cap];
     let mut b = vec![0u8; cap];
     let bus = bus_factor(&o.coll, n);
+    if o.overlap {
+        return overlap_sweep(&c, o, &sizes, &mut a);
+    }
     if r == 0 {
         println!(
             "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}, copy {:?}{}",
@@ -384,6 +495,88 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
             "# Avg bus bandwidth    : {:.4} GB/s",
             sum_bus / sizes.len().max(1) as f64
         );
+    }
+    Ok(())
+}
+
+/// A fixed compute kernel: `reps` passes of multiply-adds over `x` (its result kept alive).
+fn compute(x: &mut [f32], reps: usize) -> f32 {
+    for _ in 0..reps {
+        for v in x.iter_mut() {
+            *v = *v * 0.999_9 + 0.000_1;
+        }
+    }
+    std::hint::black_box(x[0])
+}
+
+/// The slowest rank's value of `v`.
+fn slowest(c: &Comm, v: f64) -> rdmacomm::Result<f64> {
+    let mut t = v.to_le_bytes();
+    c.all_reduce(AllReduce::Max, DType::f64, &mut t)?;
+    Ok(f64::from_le_bytes(t))
+}
+
+/// For each size: an all_reduce alone, a compute kernel alone (calibrated to last about as
+/// long), and both at once (started non-blocking, the kernel, then the wait); the share of the
+/// communication hidden is (comm + compute - both) / comm. Medians of `-n` runs.
+fn overlap_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm::Result<()> {
+    let mut x = vec![1f32; 256 << 10];
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    if c.rank() == 0 {
+        println!(
+            "# rdmacomm-perf overlap: {} ranks, {}, all_reduce {} sum, medians of {}",
+            c.size(),
+            c.device().unwrap_or_default(),
+            o.dtype.name(),
+            o.iters
+        );
+        println!(
+            "# {:>10} {:>11} {:>11} {:>11} {:>8}",
+            "size (B)", "comm (us)", "comp (us)", "both (us)", "hidden"
+        );
+    }
+    // One kernel pass, timed, to size the kernel to the communication.
+    let t0 = Instant::now();
+    compute(&mut x, 4);
+    let pass = slowest(c, t0.elapsed().as_secs_f64() * 1e6 / 4.0)?;
+    for &bytes in sizes {
+        let mut comm = Vec::new();
+        for _ in 0..o.warmup + o.iters {
+            c.barrier()?;
+            let t0 = Instant::now();
+            c.all_reduce(AllReduce::Sum, o.dtype, &mut a[..bytes])?;
+            comm.push(slowest(c, t0.elapsed().as_secs_f64() * 1e6)?);
+        }
+        let comm = median(comm.split_off(o.warmup));
+        let reps = ((comm / pass).round() as usize).max(1);
+        let (mut comp, mut both) = (Vec::new(), Vec::new());
+        for _ in 0..o.warmup + o.iters {
+            c.barrier()?;
+            let t0 = Instant::now();
+            compute(&mut x, reps);
+            comp.push(slowest(c, t0.elapsed().as_secs_f64() * 1e6)?);
+            c.barrier()?;
+            let t0 = Instant::now();
+            c.overlap(|s| -> rdmacomm::Result<()> {
+                let p = s.all_reduce_bytes(AllReduce::Sum, o.dtype, &mut a[..bytes])?;
+                compute(&mut x, reps);
+                p.wait().map(|_| ())
+            })??;
+            both.push(slowest(c, t0.elapsed().as_secs_f64() * 1e6)?);
+        }
+        let (comp, both) = (
+            median(comp.split_off(o.warmup)),
+            median(both.split_off(o.warmup)),
+        );
+        if c.rank() == 0 {
+            println!(
+                "  {bytes:>10} {comm:>11.1} {comp:>11.1} {both:>11.1} {:>7.0}%",
+                ((comm + comp - both) / comm * 100.0).clamp(-100.0, 100.0)
+            );
+        }
     }
     Ok(())
 }
@@ -435,7 +628,7 @@ fn bus_factor(coll: &str, n: usize) -> f64 {
     let n = n as f64;
     match coll {
         "all_reduce" => 2.0 * (n - 1.0) / n,
-        "all_gather" | "sum_scatter" => (n - 1.0) / n,
+        "all_gather" | "sum_scatter" | "all_to_all" | "gather" | "scatter" => (n - 1.0) / n,
         _ => 1.0,
     }
 }
@@ -453,5 +646,9 @@ mod tests {
         assert_eq!(bus_factor("sum_scatter", 2), 0.5);
         assert_eq!(bus_factor("broadcast", 8), 1.0);
         assert_eq!(bus_factor("sendrecv", 2), 1.0);
+        assert_eq!(bus_factor("all_to_all", 4), 0.75);
+        assert_eq!(bus_factor("gather", 8), 0.875);
+        assert_eq!(bus_factor("scatter", 2), 0.5);
+        assert_eq!(bus_factor("reduce", 4), 1.0);
     }
 }

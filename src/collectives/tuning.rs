@@ -28,8 +28,13 @@ pub fn slice_bytes(medium: Medium) -> usize {
 
 /// The largest reduce to a root (bytes) run as a binomial tree (log2(n) steps of the whole
 /// vector); above it, a ring reduce-scatter then a gather of the parts (bandwidth-optimal).
-pub fn reduce_tree_max(medium: Medium, n: usize) -> usize {
-    doubling_max(medium, n)
+pub fn reduce_tree_max(medium: Medium) -> usize {
+    match medium {
+        // 4 ranks on loopback: the tree wins to 64 KiB, the ring and gather from 128 KiB.
+        Medium::Tcp => 64 << 10,
+        // 4 ranks on soft-RoCE: the tree wins to 128 KiB, the ring and gather from 512 KiB.
+        _ => 128 << 10,
+    }
 }
 
 #[cfg(test)]
@@ -45,5 +50,7 @@ mod tests {
             assert_eq!(slice_bytes(m), usize::MAX);
         }
         assert_eq!(slice_bytes(Medium::Tcp), 2 << 20);
+        assert_eq!(reduce_tree_max(Medium::Tcp), 64 << 10);
+        assert_eq!(reduce_tree_max(Medium::Rdma), 128 << 10);
     }
 }
