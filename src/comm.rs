@@ -80,16 +80,15 @@ impl Comm {
     pub fn new(cfg: &Config) -> Result<Self> {
         cfg.validate()?;
         // The process's kernels, chosen (and the copy kernel timed, where it is) here, not
-        // inside the first operation.
-        crate::reduce::choose_simd(cfg.simd_baseline);
-        crate::copy::choose(cfg.copy);
+        // inside the first operation; a later communicator asking for others is refused.
+        let kernels = kernels_as_asked(cfg);
         let mut link = if cfg.world_size > 1 {
             Some(transport::connect(cfg, cfg.transport)?)
         } else {
             None
         };
         let (local, nlocal) = link.as_ref().map_or((0, 1), |l| l.local_rank());
-        if let Err(e) = cfg.pin.apply(local, nlocal) {
+        if let Err(e) = kernels.and_then(|()| cfg.pin.apply(local, nlocal)) {
             // Known only now (it needs the number of local ranks): the group learns it too.
             if let Some(l) = link.as_mut() {
                 l.abort(format!("its configuration is invalid: {e}"));
@@ -479,6 +478,28 @@ impl Comm {
         self.check_thread(&what)?;
         self.wait_started_ones();
         self.check_usable()
+    }
+}
+
+/// Chooses the process's kernels as `cfg` asks; an error where an earlier communicator chose
+/// others (they are chosen once per process).
+fn kernels_as_asked(cfg: &Config) -> Result<()> {
+    use crate::copy::CopyKernel;
+    use crate::reduce::SimdLevel;
+    let (copy_before, simd_before) = (crate::copy::chosen(), crate::reduce::chosen());
+    let simd = crate::reduce::choose_simd(cfg.simd_baseline);
+    let copy = crate::copy::choose(cfg.copy);
+    if cfg.simd_baseline && simd != SimdLevel::Baseline && simd_before.is_some() {
+        return Err(Error::Config(format!(
+            "RDMACOMM_SIMD=baseline: this process's reduction kernels were chosen ({simd:?}) by              its first communicator; they are chosen once per process"
+        )));
+    }
+    let possible = |k: CopyKernel| k != CopyKernel::Simd || simd == SimdLevel::Avx2;
+    match cfg.copy {
+        Some(k) if k != copy && possible(k) && copy_before.is_some() => Err(Error::Config(format!(
+            "RDMACOMM_COPY={k:?}: this process's copy kernel was chosen ({copy:?}) by its first              communicator; it is chosen once per process"
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -71,6 +71,11 @@ pub fn choose(requested: Option<CopyKernel>) -> CopyKernel {
     })
 }
 
+/// The copy kernel chosen before, if anything chose one.
+pub fn chosen() -> Option<CopyKernel> {
+    KERNEL.get().copied()
+}
+
 /// The copy kernel in use ([`choose`], with nothing requested if nothing chose before).
 pub fn kernel() -> CopyKernel {
     choose(None)

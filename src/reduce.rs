@@ -272,6 +272,11 @@ pub fn choose_simd(baseline: bool) -> SimdLevel {
     })
 }
 
+/// The kernels chosen before, if anything chose them.
+pub fn chosen() -> Option<SimdLevel> {
+    LEVEL.get().copied()
+}
+
 /// The kernels in use ([`choose_simd`], detected from the CPU if nothing chose before).
 pub fn simd_level() -> SimdLevel {
     choose_simd(false)

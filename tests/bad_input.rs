@@ -231,3 +231,39 @@ fn length_mismatch_between_ranks_is_named() {
         }
     }
 }
+
+/// A second communicator asking for kernels other than those the process's first one chose.
+fn kernels_body() {
+    use rdmacomm::copy::CopyKernel;
+    use rdmacomm::reduce::SimdLevel;
+    let at = |copy, baseline| {
+        let mut cfg = Config::defaults(0, 1, "127.0.0.1:9");
+        cfg.copy = copy;
+        cfg.simd_baseline = baseline;
+        Comm::new(&cfg).map(|_| ())
+    };
+    at(Some(CopyKernel::Libc), false).expect("the first chooses");
+    let avx2 = rdmacomm::reduce::simd_level() == SimdLevel::Avx2;
+    let e = at(Some(CopyKernel::Simd), false);
+    if avx2 {
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("RDMACOMM_COPY") && e.contains("once per process"), "{e}");
+        let e = at(None, true).unwrap_err().to_string();
+        assert!(e.contains("RDMACOMM_SIMD=baseline") && e.contains("once per process"), "{e}");
+    } else {
+        e.expect("no SIMD kernel here: the request falls back, as the first one's did");
+    }
+    at(Some(CopyKernel::Libc), false).expect("the same choice again");
+    at(None, false).expect("no request");
+    println!("kernel requests checked (avx2: {avx2})");
+}
+
+#[test]
+fn a_second_communicator_asking_other_kernels_is_refused() {
+    let name = "a_second_communicator_asking_other_kernels_is_refused";
+    if !is_child(name) {
+        spawn_local_ok(name, 1, &[], std::time::Duration::from_secs(60));
+        return;
+    }
+    kernels_body();
+}

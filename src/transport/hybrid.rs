@@ -70,18 +70,23 @@ pub fn connect_with(
         }
         Ok(rv)
     };
-    let net: Box<dyn Transport> = if rdma {
+    let mut net: Box<dyn Transport> = if rdma {
         Box::new(rdma::RdmaTransport::connect_with(cfg, &mut wrapped)?)
     } else {
         Box::new(tcp::TcpTransport::connect_with(cfg, &mut wrapped)?)
     };
     Ok(match rings {
         Some(rings) if rings.peers() > 0 => {
-            assert_eq!(
-                rings.chunk(),
-                net.max_chunk(),
-                "rings sized for the network's chunks"
-            );
+            if rings.chunk() != net.max_chunk() {
+                // The rings were sized before the network was up; they must carry its chunks.
+                let why = format!(
+                    "shared-memory rings of {} B chunks beside a network of {} B chunks",
+                    rings.chunk(),
+                    net.max_chunk()
+                );
+                net.abort(why.clone());
+                return Err(crate::Error::Bootstrap(why));
+            }
             let crowded = crowded || rings.peers() + 1 > cores();
             let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
             Box::new(HybridTransport {

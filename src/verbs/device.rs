@@ -66,6 +66,13 @@ impl HcaList {
         if entries.is_empty() {
             return Err(bad("no device named"));
         }
+        if exclude {
+            if let Some((name, Some(p))) = entries.iter().find(|(_, p)| p.is_some()) {
+                return Err(bad(&format!(
+                    "{name}:{p}: an exclusion list leaves out whole devices; drop the port"
+                )));
+            }
+        }
         Ok(HcaList {
             exclude,
             exact,
@@ -396,7 +403,7 @@ mod tests {
             vec![d("mlx5_0", None), d("mlx5_10", None), d("rxe0", None)]
         );
         assert!(names("=mlx5").is_empty());
-        for bad in ["", "^", "mlx5_0:0", "mlx5_0:x", ":1"] {
+        for bad in ["", "^", "mlx5_0:0", "mlx5_0:x", ":1", "^mlx5_0:1"] {
             let e = HcaList::parse(bad).unwrap_err().to_string();
             assert!(e.contains("RDMACOMM_IB_HCA="), "{bad:?}: {e}");
         }
