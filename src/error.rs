@@ -32,6 +32,9 @@ pub enum Error {
         op: &'static str,
         /// The error, in words.
         detail: String,
+        /// The verbs library's error, where it gave one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
     /// Memory registration failed because the locked-memory limit is too low.
     #[error(
@@ -124,5 +127,27 @@ impl Error {
             | Error::Aborted { by: peer, .. } => Some(peer),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn verbs_errors_keep_their_source() {
+        let io = std::io::Error::from_raw_os_error(libc::ENOMEM);
+        let e = Error::Verbs {
+            op: "post receive",
+            detail: io.to_string(),
+            source: Some(Box::new(io)),
+        };
+        let src = e.source().expect("a source");
+        assert!(src.downcast_ref::<std::io::Error>().is_some(), "{src:?}");
+        assert!(
+            e.to_string().starts_with("verbs post receive failed: "),
+            "{e}"
+        );
     }
 }

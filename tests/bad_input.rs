@@ -247,9 +247,15 @@ fn kernels_body() {
     let e = at(Some(CopyKernel::Simd), false);
     if avx2 {
         let e = e.unwrap_err().to_string();
-        assert!(e.contains("RDMACOMM_COPY") && e.contains("once per process"), "{e}");
+        assert!(
+            e.contains("RDMACOMM_COPY") && e.contains("once per process"),
+            "{e}"
+        );
         let e = at(None, true).unwrap_err().to_string();
-        assert!(e.contains("RDMACOMM_SIMD=baseline") && e.contains("once per process"), "{e}");
+        assert!(
+            e.contains("RDMACOMM_SIMD=baseline") && e.contains("once per process"),
+            "{e}"
+        );
     } else {
         e.expect("no SIMD kernel here: the request falls back, as the first one's did");
     }

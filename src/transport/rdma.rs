@@ -235,7 +235,8 @@ impl RdmaTransport {
         let (ctx, sel) = verbs::open(&cfg.device)?;
         let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
             op: "allocate protection domain",
-            detail: format!("{e:?}"),
+            detail: e.to_string(),
+            source: Some(Box::new(e)),
         })?;
         let layout = Layout {
             n,

@@ -206,6 +206,7 @@ pub fn list_ports() -> Result<Vec<PortInfo>> {
         let ctx = dev.open().map_err(|e| Error::Verbs {
             op: "open device",
             detail: format!("{name}: {e}"),
+            source: Some(Box::new(e)),
         })?;
         out.extend(ports_of(&name, &ctx)?);
     }
@@ -216,12 +217,14 @@ fn ports_of(name: &str, ctx: &Arc<DeviceContext>) -> Result<Vec<PortInfo>> {
     let attr = ctx.query_device().map_err(|e| Error::Verbs {
         op: "query device",
         detail: format!("{name}: {e}"),
+        source: Some(Box::new(e)),
     })?;
     let mut out = Vec::new();
     for port in 1..=attr.phys_port_cnt() {
         let pa = ctx.query_port(port).map_err(|e| Error::Verbs {
             op: "query port",
             detail: format!("{name} port {port}: {e}"),
+            source: Some(Box::new(e)),
         })?;
         let ethernet = pa.link_layer() == LinkLayer::Ethernet;
         let mut gids = Vec::new();
@@ -296,6 +299,7 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
         let ctx = dev.open().map_err(|e| Error::Verbs {
             op: "open device",
             detail: format!("{name}: {e}"),
+            source: Some(Box::new(e)),
         })?;
         let ports = ports_of(&name, &ctx)?;
         for p in &ports {
@@ -334,6 +338,7 @@ pub fn open(choice: &DeviceChoice) -> Result<(Arc<DeviceContext>, Selected)> {
             let pa = ctx.query_port(p.port).map_err(|e| Error::Verbs {
                 op: "query port",
                 detail: e.to_string(),
+                source: None,
             })?;
             return Ok((
                 ctx,

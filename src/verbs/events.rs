@@ -54,6 +54,7 @@ impl AsyncEvents {
             return Err(Error::Verbs {
                 op: "set async event fd non-blocking",
                 detail: std::io::Error::last_os_error().to_string(),
+                source: None,
             });
         }
         Ok(AsyncEvents {

@@ -69,6 +69,7 @@ impl RegisteredBuffer {
         let ptr = NonNull::new(raw).ok_or_else(|| Error::Verbs {
             op: "allocate",
             detail: format!("out of memory allocating {len} bytes"),
+            source: None,
         })?;
         let mut buf = RegisteredBuffer {
             mrs: Vec::with_capacity(cuts.len()),
@@ -213,6 +214,7 @@ fn registration_failed(len: usize, e: RegisterMemoryRegionError) -> Error {
         Error::Verbs {
             op: "register memory",
             detail: format!("{len} bytes: {detail} (locked-memory limit {limit})"),
+            source: None,
         }
     }
 }

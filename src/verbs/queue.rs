@@ -46,7 +46,8 @@ impl CompletionQueue {
             .build()
             .map_err(|e| Error::Verbs {
                 op: "create completion queue",
-                detail: format!("{e:?}"),
+                detail: e.to_string(),
+                source: Some(Box::new(e)),
             })?;
         // SAFETY: ibv_wc is plain old data; zero is a valid bit pattern.
         let wcs = (0..64)
@@ -74,6 +75,7 @@ impl CompletionQueue {
             return Err(Error::Verbs {
                 op: "poll completion queue",
                 detail: format!("returned {n}"),
+                source: None,
             });
         }
         for wc in &self.wcs[..n as usize] {
@@ -255,7 +257,8 @@ impl RcQueuePair {
             .setup_max_inline_data(MAX_INLINE);
         let mut qp = b.build().map_err(|e| Error::Verbs {
             op: "create queue pair",
-            detail: format!("{e:?}"),
+            detail: e.to_string(),
+            source: Some(Box::new(e)),
         })?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
@@ -264,7 +267,8 @@ impl RcQueuePair {
             .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
         qp.modify(&attr).map_err(|e| Error::Verbs {
             op: "modify QP to INIT",
-            detail: format!("{e:?}"),
+            detail: e.to_string(),
+            source: Some(Box::new(e)),
         })?;
         // A PSN from the clock and the QP number: different per QP and per run.
         let nanos = std::time::SystemTime::now()
@@ -312,7 +316,8 @@ impl RcQueuePair {
         attr.setup_address_vector(&ah);
         self.qp.modify(&attr).map_err(|e| Error::Verbs {
             op: "modify QP to RTR",
-            detail: format!("{e:?}"),
+            detail: e.to_string(),
+            source: Some(Box::new(e)),
         })?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
@@ -323,7 +328,8 @@ impl RcQueuePair {
             .setup_max_read_atomic(1);
         self.qp.modify(&attr).map_err(|e| Error::Verbs {
             op: "modify QP to RTS",
-            detail: format!("{e:?}"),
+            detail: e.to_string(),
+            source: Some(Box::new(e)),
         })
     }
 
@@ -396,6 +402,7 @@ impl RcQueuePair {
             return Err(Error::Verbs {
                 op: "post RDMA write",
                 detail: why,
+                source: None,
             });
         }
         Ok(())
@@ -413,10 +420,11 @@ impl RcQueuePair {
         // SAFETY: the QP is alive (owned by self); wr is valid for the call and has no SGE.
         let rc = unsafe { ibv_post_recv(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
         if rc != 0 {
-            let detail = std::io::Error::from_raw_os_error(rc).to_string();
+            let e = std::io::Error::from_raw_os_error(rc);
             return Err(Error::Verbs {
                 op: "post receive",
-                detail,
+                detail: e.to_string(),
+                source: Some(Box::new(e)),
             });
         }
         Ok(())
@@ -429,7 +437,8 @@ impl RcQueuePair {
             .query(QueuePairAttributeMask::State)
             .map_err(|e| Error::Verbs {
                 op: "query QP",
-                detail: format!("{e:?}"),
+                detail: e.to_string(),
+                source: Some(Box::new(e)),
             })?;
         Ok(attr.state())
     }
