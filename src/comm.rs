@@ -722,9 +722,13 @@ impl Communicator for Comm {
         }
         let block = input.len() / self.size;
         let offs: Vec<usize> = (0..=self.size).map(|q| q * block).collect();
-        let desc = OpDesc::new(OpKind::AllToAll, block);
+        let pairwise = block >= tuning::all_to_all_pairwise_min();
+        let desc = OpDesc {
+            algo: u8::from(pairwise),
+            ..OpDesc::new(OpKind::AllToAll, block)
+        };
         self.with_link(desc, Scope::All, |l, _| {
-            rooted::all_to_all(l, input, &offs, output, &offs)
+            rooted::all_to_all(l, input, &offs, output, &offs, pairwise)
         })
     }
 
@@ -742,8 +746,9 @@ impl Communicator for Comm {
             crate::copy::copy(output, input);
             return Ok(());
         }
+        // Lengths differ by rank, so the choice is all at once (each rank knows only its own).
         self.with_link(OpDesc::new(OpKind::AllToAllV, 0), Scope::All, |l, _| {
-            rooted::all_to_all(l, input, &so, output, &ro)
+            rooted::all_to_all(l, input, &so, output, &ro, false)
         })
     }
 

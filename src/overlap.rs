@@ -55,7 +55,7 @@ struct QueueState<'env> {
 /// While operations come, the progress thread looks for one this often instead of being woken
 /// by each start: a start then costs no wake-up, which a waiter that runs its operation itself
 /// (started and waited at once) would pay for nothing.
-const LOOK_EVERY: Duration = Duration::from_micros(200);
+const LOOK_EVERY: Duration = Duration::from_millis(1);
 /// Without a start for this long, the progress thread sleeps until woken.
 const DOZE_AFTER: Duration = Duration::from_millis(20);
 

@@ -289,6 +289,34 @@ pub trait Communicator: Send {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor>;
     /// Blocks until every rank has reached it.
     fn barrier(&self) -> Result<()>;
+    /// Beyond the spec: part q of `tensor` along `dim` (of `world_size` equal parts) goes to
+    /// rank q; the result concatenates, along `dim`, the part each rank sent this one.
+    fn all_to_all(&self, tensor: &Tensor, dim: usize) -> Result<Tensor>;
+    /// Beyond the spec: the reduction across ranks on `root`; other ranks get their own tensor
+    /// back.
+    fn reduce(&self, tensor: &Tensor, op: ReduceOp, root: usize) -> Result<Tensor>;
+}
+
+/// `tensor`'s `n` equal parts along `dim` made contiguous, in part order: [part][outer][slab/n].
+fn parts_along(tensor: &Tensor, dim: usize, n: usize, what: &str) -> Result<Vec<u8>> {
+    tensor.check_dim(dim, what)?;
+    if tensor.shape[dim] % n != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: dim {dim} of shape {:?} has {} entries, not divisible by the world size {n}",
+            tensor.shape, tensor.shape[dim]
+        )));
+    }
+    let (outer, slab) = tensor.split_at(dim);
+    let part_slab = slab / n;
+    let mut parts = vec![0u8; tensor.data.len()];
+    for p in 0..n {
+        for o in 0..outer {
+            let src = o * slab + p * part_slab;
+            let dst = (p * outer + o) * part_slab;
+            parts[dst..dst + part_slab].copy_from_slice(&tensor.data[src..src + part_slab]);
+        }
+    }
+    Ok(parts)
 }
 
 /// Divides every element by `n` (Avg).
@@ -352,35 +380,26 @@ impl<C: crate::Communicator + ?Sized> Communicator for C {
     }
 
     fn reduce_scatter(&self, tensor: &Tensor, op: ReduceOp, dim: usize) -> Result<Tensor> {
-        tensor.check_dim(dim, "reduce_scatter")?;
         let base = op.base(tensor.dtype)?;
-        let (n, r) = (self.size(), self.rank());
-        if tensor.shape[dim] % n != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "reduce_scatter: dim {dim} of shape {:?} has {} entries, not divisible by the world size {n}",
-                tensor.shape, tensor.shape[dim]
-            )));
-        }
-        // Re-layout so part p (entries p*k..(p+1)*k along dim) is contiguous: [part][outer][k-slab].
-        let (outer, slab) = tensor.split_at(dim);
-        let part_slab = slab / n;
-        let mut parts = vec![0u8; tensor.data.len()];
-        for p in 0..n {
-            for o in 0..outer {
-                let src = o * slab + p * part_slab;
-                let dst = (p * outer + o) * part_slab;
-                parts[dst..dst + part_slab].copy_from_slice(&tensor.data[src..src + part_slab]);
-            }
-        }
+        let n = self.size();
+        // Part p (entries p*k..(p+1)*k along dim) contiguous: [part][outer][k-slab].
+        let parts = parts_along(tensor, dim, n, "reduce_scatter")?;
         let mut shape = tensor.shape.clone();
         shape[dim] /= n;
-        let mine = outer * part_slab;
+        let mine = tensor.data.len() / n;
         let mut data = vec![0u8; mine];
         if base == AllReduce::Sum {
             crate::Communicator::sum_scatter(self, tensor.dtype, &parts, &mut data)?;
         } else {
-            crate::Communicator::all_reduce(self, base, tensor.dtype, &mut parts)?;
-            data.copy_from_slice(&parts[r * mine..(r + 1) * mine]);
+            let lens = vec![mine; n];
+            crate::Communicator::reduce_scatter_v(
+                self,
+                base,
+                tensor.dtype,
+                &parts,
+                &mut data,
+                &lens,
+            )?;
         }
         let mut out = Tensor::from_bytes_on(tensor.graph, tensor.dtype, &shape, data)?;
         if op == ReduceOp::Avg {
@@ -397,6 +416,35 @@ impl<C: crate::Communicator + ?Sized> Communicator for C {
 
     fn barrier(&self) -> Result<()> {
         crate::Communicator::barrier(self)
+    }
+
+    fn all_to_all(&self, tensor: &Tensor, dim: usize) -> Result<Tensor> {
+        let n = self.size();
+        let parts = parts_along(tensor, dim, n, "all_to_all")?;
+        let mut got = vec![0u8; parts.len()];
+        crate::Communicator::all_to_all(self, &parts, &mut got)?;
+        // got is [rank][outer][slab/n]; the result is [outer][rank][slab/n]: the same shape.
+        let (outer, slab) = tensor.split_at(dim);
+        let part_slab = slab / n;
+        let mut data = vec![0u8; got.len()];
+        for q in 0..n {
+            for o in 0..outer {
+                let src = (q * outer + o) * part_slab;
+                let dst = o * slab + q * part_slab;
+                data[dst..dst + part_slab].copy_from_slice(&got[src..src + part_slab]);
+            }
+        }
+        Tensor::from_bytes_on(tensor.graph, tensor.dtype, &tensor.shape, data)
+    }
+
+    fn reduce(&self, tensor: &Tensor, op: ReduceOp, root: usize) -> Result<Tensor> {
+        let base = op.base(tensor.dtype)?;
+        let mut out = tensor.clone();
+        crate::Communicator::reduce(self, root, base, out.dtype, &mut out.data)?;
+        if op == ReduceOp::Avg && self.rank() == root {
+            divide(&mut out, self.size());
+        }
+        Ok(out)
     }
 }
 

@@ -221,6 +221,47 @@ fn tensor_body() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("not divisible by the world size"), "{e}");
+    // all_to_all and reduce (beyond the spec) on every dim of a tensor n times longer there:
+    // part q along `dim` goes to rank q; the result holds, along `dim`, each rank's part r.
+    for dim in 0..3 {
+        let mut big = dims;
+        big[dim] *= n;
+        let values: Vec<i32> = grid(big).map(|ix| v3(r, ix)).collect();
+        let y3 = Tensor::from_slice_on(graph, &values, &big).unwrap();
+        let a = t.all_to_all(&y3, dim).unwrap();
+        assert_eq!(
+            (a.graph(), a.shape()),
+            (graph, &big[..]),
+            "all_to_all dim {dim}"
+        );
+        let av = a.to_vec::<i32>().unwrap();
+        for ix in grid(big) {
+            // Position q*k + j along dim holds rank q's entry r*k + j.
+            let (q, j) = (ix[dim] / dims[dim], ix[dim] % dims[dim]);
+            let mut src = ix;
+            src[dim] = r * dims[dim] + j;
+            assert_eq!(
+                av[at(ix, big)],
+                v3(q, src),
+                "all_to_all dim {dim} at {ix:?}"
+            );
+        }
+        let root = dim % n;
+        let red = t.reduce(&y3, ReduceOp::Max, root).unwrap();
+        let rv = red.to_vec::<i32>().unwrap();
+        for ix in grid(big) {
+            let want = if r == root {
+                (0..n).map(|q| v3(q, ix)).max().unwrap()
+            } else {
+                v3(r, ix)
+            };
+            assert_eq!(
+                rv[at(ix, big)],
+                want,
+                "reduce to {root}, dim {dim} at {ix:?}"
+            );
+        }
+    }
     // broadcast from the last rank, and barrier.
     let b = t
         .broadcast(&Tensor::from_slice(&[r as u8; 5], &[5]).unwrap(), n - 1)

@@ -145,7 +145,8 @@ pub fn scatter(link: &mut dyn Link, root: usize, input: &[u8], output: &mut [u8]
 }
 
 /// Rank p's block q of `input` (at `send_offs[q]`, `send_offs[q + 1]`) into rank q's block p of
-/// `output` (at `recv_offs[p]`), with every peer at once, starting with the next rank. This
+/// `output` (at `recv_offs[p]`): with every peer at once, starting with the next rank, or
+/// `pairwise`, one step per peer (the k-th next and the k-th previous rank in step k). This
 /// rank's own block must be as long both ways.
 pub fn all_to_all(
     link: &mut dyn Link,
@@ -153,6 +154,7 @@ pub fn all_to_all(
     send_offs: &[usize],
     output: &mut [u8],
     recv_offs: &[usize],
+    pairwise: bool,
 ) -> Result<()> {
     let (r, n) = (link.rank(), link.size());
     let peers = (1..n).map(|k| (r + k) % n);
@@ -172,5 +174,12 @@ pub fn all_to_all(
         .map(|k| (r + n - k) % n)
         .map(|q| (q, by_peer[q].take().expect("one block per peer")))
         .collect();
-    exchange(link, &sends, &mut recvs)
+    if !pairwise {
+        return exchange(link, &sends, &mut recvs);
+    }
+    // Step k: to the k-th next rank, from the k-th previous one (one peer each way at a time).
+    for (send, recv) in sends.iter().zip(recvs.iter_mut()) {
+        exchange(link, std::slice::from_ref(send), std::slice::from_mut(recv))?;
+    }
+    Ok(())
 }

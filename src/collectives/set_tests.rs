@@ -158,26 +158,30 @@ fn all_to_all_with_equal_uneven_and_empty_blocks() {
                         block_len(from, to, scale)
                     }
                 };
-                let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
-                    let r = l.rank();
-                    let so = crate::api::offsets(&(0..n).map(|q| len(r, q)).collect::<Vec<_>>());
-                    let ro = crate::api::offsets(&(0..n).map(|q| len(q, r)).collect::<Vec<_>>());
-                    let input: Vec<u8> = (0..n)
-                        .flat_map(|q| (0..len(r, q)).map(move |i| byte(r, q, i)))
-                        .collect();
-                    let mut output = vec![0u8; ro[n]];
-                    rooted::all_to_all(l, &input, &so, &mut output, &ro).unwrap();
-                    output
-                });
-                for (r, got) in out.iter().enumerate() {
-                    let want: Vec<u8> = (0..n)
-                        .flat_map(|q| (0..len(q, r)).map(move |i| byte(q, r, i)))
-                        .collect();
-                    assert_eq!(
-                        got, &want,
-                        "all_to_all (even {even}, x{scale}) on {n} ranks, {slots} x {chunk} B: \
-                         rank {r}"
-                    );
+                for pairwise in [false, true] {
+                    let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                        let r = l.rank();
+                        let so =
+                            crate::api::offsets(&(0..n).map(|q| len(r, q)).collect::<Vec<_>>());
+                        let ro =
+                            crate::api::offsets(&(0..n).map(|q| len(q, r)).collect::<Vec<_>>());
+                        let input: Vec<u8> = (0..n)
+                            .flat_map(|q| (0..len(r, q)).map(move |i| byte(r, q, i)))
+                            .collect();
+                        let mut output = vec![0u8; ro[n]];
+                        rooted::all_to_all(l, &input, &so, &mut output, &ro, pairwise).unwrap();
+                        output
+                    });
+                    for (r, got) in out.iter().enumerate() {
+                        let want: Vec<u8> = (0..n)
+                            .flat_map(|q| (0..len(q, r)).map(move |i| byte(q, r, i)))
+                            .collect();
+                        assert_eq!(
+                            got, &want,
+                            "all_to_all (even {even}, x{scale}) on {n} ranks, {slots} x {chunk} B: \
+                             rank {r}"
+                        );
+                    }
                 }
             }
         }

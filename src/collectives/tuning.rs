@@ -37,6 +37,13 @@ pub fn reduce_tree_max(medium: Medium) -> usize {
     }
 }
 
+/// The smallest block (bytes) from which all_to_all exchanges with one peer at a time
+/// (pairwise) instead of with every peer at once: large blocks to every peer at once contend
+/// for one NIC (on soft-RoCE, 4 ranks: pairwise steadier at 1 MiB blocks, see docs/DESIGN.md).
+pub fn all_to_all_pairwise_min() -> usize {
+    1 << 20
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
