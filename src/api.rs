@@ -372,16 +372,7 @@ pub(crate) fn check_gather(
     input: &[u8],
     output: &[u8],
 ) -> Result<()> {
-    check_root(root, n)?;
-    if me == root && output.len() != n * input.len() {
-        return Err(Error::InvalidArgument(format!(
-            "gather: the root's output has {} bytes but must be size ({n}) x input ({}) = {}",
-            output.len(),
-            input.len(),
-            n * input.len()
-        )));
-    }
-    Ok(())
+    check_rooted("gather", me, n, root, ("output", output), ("input", input))
 }
 
 /// Checks `scatter` arguments.
@@ -392,13 +383,28 @@ pub(crate) fn check_scatter(
     input: &[u8],
     output: &[u8],
 ) -> Result<()> {
+    check_rooted("scatter", me, n, root, ("input", input), ("output", output))
+}
+
+/// A rooted operation's root and, on the root, its `whole` buffer of `n` times each rank's
+/// `part` (named for the message).
+fn check_rooted(
+    what: &str,
+    me: usize,
+    n: usize,
+    root: usize,
+    whole: (&str, &[u8]),
+    part: (&str, &[u8]),
+) -> Result<()> {
     check_root(root, n)?;
-    if me == root && input.len() != n * output.len() {
+    if me == root && whole.1.len() != n * part.1.len() {
         return Err(Error::InvalidArgument(format!(
-            "scatter: the root's input has {} bytes but must be size ({n}) x output ({}) = {}",
-            input.len(),
-            output.len(),
-            n * output.len()
+            "{what}: the root's {} has {} bytes but must be size ({n}) x {} ({}) = {}",
+            whole.0,
+            whole.1.len(),
+            part.0,
+            part.1.len(),
+            n * part.1.len()
         )));
     }
     Ok(())

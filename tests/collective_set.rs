@@ -37,6 +37,42 @@ fn body() {
     let ok = |what: &str, res: rdmacomm::Result<()>| {
         res.unwrap_or_else(|e| panic!("rank {r}: {what}: {e}"));
     };
+    // Bad arguments are named before anything is sent; the communicator stays usable.
+    let bad = |what: &str, res: rdmacomm::Result<()>, want: &str| {
+        let e = res.expect_err(what).to_string();
+        assert!(e.contains(want), "rank {r}: {what}: {e}");
+    };
+    bad(
+        "all_to_all",
+        c.all_to_all(&[0u8; 8 * 5], &mut [0u8; 4]),
+        "all_to_all",
+    );
+    let too_many = vec![0usize; n + 1];
+    bad(
+        "all_to_allv",
+        c.all_to_allv(&[], &too_many, &mut [], &too_many),
+        "entries",
+    );
+    bad("gather", c.gather(n, &[1], &mut []), "out of range");
+    if r == 0 {
+        bad(
+            "gather",
+            c.gather(0, &[1, 2], &mut [0u8; 1]),
+            "gather: the root's output has 1 bytes",
+        );
+    }
+    bad(
+        "reduce_scatter_v",
+        c.reduce_scatter_v(
+            AllReduce::Sum,
+            DType::f32,
+            &[0u8; 6],
+            &mut [0u8; 6],
+            &[6; 1],
+        ),
+        "reduce_scatter_v",
+    );
+    bad("sendrecv", c.sendrecv(r, &[1], r, &mut [0]), "itself");
     // all_to_all: equal blocks from empty to several chunks.
     for (case, len) in [0usize, 1, 13, 70_000, 1 << 20].into_iter().enumerate() {
         let input: Vec<u8> = (0..n).flat_map(|q| block(case, r, q, len)).collect();

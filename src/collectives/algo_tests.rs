@@ -2,7 +2,7 @@
 //! chunks of 8 B to 4 KiB, lengths from empty to several thousand elements, each result checked
 //! against a scalar re-computation, and bit identity across ranks where rounding depends on order.
 
-use super::mem_link::{mesh, on_every_rank, MemLink};
+use super::mem_link::{bytes, f32s, mesh, on_every_rank, MemLink};
 use super::{bcast, direct, halving, hier, ring, Algo};
 use crate::dtype::{AllReduce, DType};
 use crate::transport::Link as _;
@@ -12,16 +12,6 @@ use std::time::{Duration, Instant};
 /// waits for a take), a few small ones, and room for whole vectors.
 const LINKS: [(usize, usize); 3] = [(1, 8), (2, 64), (4, 4096)];
 const LENGTHS: [usize; 5] = [0, 1, 5, 1000, 4097];
-
-fn f32s(v: &[u8]) -> Vec<f32> {
-    v.chunks(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
-    v.flat_map(f32::to_le_bytes).collect()
-}
 
 /// Rank r's element i: small integers (sums exact in f32) or, with `frac`, values whose sum
 /// rounds differently in different orders.

@@ -129,3 +129,15 @@ impl Link for MemLink {
     }
     fn start(&mut self, _op: &OpDesc, _scope: Scope) {}
 }
+
+/// Little-endian f32s of a byte buffer.
+pub(crate) fn f32s(v: &[u8]) -> Vec<f32> {
+    v.chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// The little-endian bytes of f32s.
+pub(crate) fn bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
+    v.flat_map(f32::to_le_bytes).collect()
+}

@@ -2,7 +2,7 @@
 //! ([`super::mem_link`]): 2 to 8 ranks, every root, queues of 1 to 4 chunks, zero-length and
 //! uneven blocks, each result checked against a scalar re-computation.
 
-use super::mem_link::{mesh, on_every_rank};
+use super::mem_link::{bytes, f32s, mesh, on_every_rank};
 use super::{exchange, ring, rooted};
 use crate::dtype::{AllReduce, DType};
 use crate::transport::Link as _;
@@ -12,16 +12,6 @@ const LINKS: [(usize, usize); 3] = [(1, 8), (2, 64), (4, 4096)];
 /// Rank r's element i (small integers: every sum is exact in f32 in any order).
 fn value(r: usize, i: usize) -> f32 {
     ((r * 5 + i * 3) % 17) as f32 - 8.0
-}
-
-fn f32s(v: &[u8]) -> Vec<f32> {
-    v.chunks(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
-
-fn bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
-    v.flat_map(f32::to_le_bytes).collect()
 }
 
 /// Byte `i` of the block rank `from` sends rank `to`.
