@@ -7,7 +7,10 @@
 //! dropped nor a forgotten handle can leave the transport writing into freed memory (the
 //! design of `std::thread::scope`).
 
-use crate::api::{check_all_gather, check_all_reduce, check_peer, check_root, Communicator};
+use crate::api::{
+    check_all_gather, check_all_reduce, check_all_to_all, check_peer, check_reduce_scatter_v,
+    check_root, Communicator,
+};
 use crate::comm::{this_thread, Comm};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
@@ -215,6 +218,8 @@ pub struct Overlap<'env> {
     comm: &'env Comm,
     queue: Arc<Queue<'env>>,
     failed: Arc<AtomicBool>,
+    /// The first failure, in words, for a scope whose communicator it did not poison.
+    first_error: Arc<Mutex<Option<String>>>,
     /// Invariant: buffers are borrowed for exactly the scope's environment.
     _env: PhantomData<&'env mut &'env ()>,
 }
@@ -266,6 +271,7 @@ impl Comm {
                 changed: Condvar::new(),
             }),
             failed: Arc::new(AtomicBool::new(false)),
+            first_error: Arc::new(Mutex::new(None)),
             _env: PhantomData,
         };
         let (started_tx, started_rx) = std::sync::mpsc::channel();
@@ -300,6 +306,12 @@ impl Comm {
         };
         if scope.failed.load(Ordering::Acquire) {
             self.check_usable()?;
+            let first = scope.first_error.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(why) = first.clone() {
+                return Err(Error::InvalidArgument(format!(
+                    "a non-blocking operation failed: {why}"
+                )));
+            }
         }
         Ok(r)
     }
@@ -324,6 +336,7 @@ impl<'env> Overlap<'env> {
             cv: Condvar::new(),
         });
         let (to, comm, failed) = (slot.clone(), self.comm, self.failed.clone());
+        let first_error = self.first_error.clone();
         *comm.pending.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         self.queue.push(Box::new(move || {
             let r = match catch_unwind(AssertUnwindSafe(|| op(comm))) {
@@ -333,8 +346,12 @@ impl<'env> Overlap<'env> {
                     "a non-blocking operation panicked".into(),
                 ))),
             };
-            if r.is_err() {
+            if let Err(e) = &r {
                 failed.store(true, Ordering::Release);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert_with(|| e.to_string());
             }
             to.put(r);
             let mut p = comm.pending.lock().unwrap_or_else(|e| e.into_inner());
@@ -399,6 +416,14 @@ impl<'env> Overlap<'env> {
         op: AllReduce,
     ) -> Result<Pending<'env, &'env mut [T]>> {
         let lens = vec![std::mem::size_of_val(output); self.comm.size()];
+        check_reduce_scatter_v(
+            self.comm.rank(),
+            self.comm.size(),
+            T::DTYPE,
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice(output),
+            &lens,
+        )?;
         self.start(move |c| {
             let r = c.reduce_scatter_v(
                 op,
@@ -441,6 +466,8 @@ impl<'env> Overlap<'env> {
         input: &'env [T],
         output: &'env mut [T],
     ) -> Result<Pending<'env, &'env mut [T]>> {
+        let (i, o) = (bytemuck::cast_slice(input), bytemuck::cast_slice(output));
+        check_all_to_all(self.comm.size(), i, o)?;
         self.start(move |c| {
             let r = c.all_to_all(
                 bytemuck::cast_slice(input),
@@ -478,6 +505,9 @@ impl<'env> Overlap<'env> {
         src: usize,
         recv: &'env mut [T],
     ) -> Result<Pending<'env, &'env mut [T]>> {
+        let (me, n) = (self.comm.rank(), self.comm.size());
+        check_peer("send", me, n, dst)?;
+        check_peer("recv", me, n, src)?;
         self.start(move |c| {
             let r = c.sendrecv(
                 dst,

@@ -91,6 +91,24 @@ fn in_flight_body() {
             "rank {r}: dropped handle"
         );
     }
+    // Bad arguments are refused at the start, and the communicator stays usable.
+    let mut odd = vec![0f32; 3 * n + 1];
+    let mut out = vec![0f32; 3 * n + 2];
+    let started = c
+        .overlap(|s| s.all_to_all(&odd, &mut out).map(|_| ()))
+        .unwrap();
+    assert!(
+        matches!(&started, Err(Error::InvalidArgument(m)) if m.contains("all_to_all")),
+        "{started:?}"
+    );
+    odd.truncate(3 * n);
+    let e = c
+        .overlap(|s| s.sendrecv(r, &odd, r, &mut out).map(|_| ()))
+        .unwrap();
+    assert!(
+        matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("itself")),
+        "{e:?}"
+    );
     // Blocking operations after the scopes, and a nested scope refused.
     let mut after = filled(7, r, 100);
     c.all_reduce(
