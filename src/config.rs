@@ -4,7 +4,10 @@
 //! `RDMACOMM_RANK`/`RDMACOMM_WORLD_SIZE`, torchrun's `RANK`/`WORLD_SIZE`, Open MPI's
 //! `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, PMI's `PMI_RANK`/`PMI_SIZE`, Slurm's
 //! `SLURM_PROCID`/`SLURM_NTASKS`. Coordinator (rank 0's rendezvous address): `RDMACOMM_COORDINATOR`
-//! (`host:port`), else `MASTER_ADDR`:`MASTER_PORT` (port 29500 if unset). `RDMACOMM_TIMEOUT`
+//! (`host:port`), else `MASTER_ADDR`:`MASTER_PORT` (port 29500 if unset), else what the launcher
+//! knows ([`Discovery`]): under PMIx (`mpirun`, `srun --mpi=pmix`) rank 0 publishes its address
+//! in the launcher's key-value store; under Slurm without PMIx it listens on the step's first
+//! node at a port derived from the job and step ids. `RDMACOMM_TIMEOUT`
 //! (seconds, default 30) bounds every wait. `RDMACOMM_BIND_ADDR` is this rank's own IP (the source
 //! of its bootstrap connection). `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`, `shm`) picks the transport.
 //! World size 1 needs none of these.
@@ -272,6 +275,20 @@ pub struct Config {
     pub job_id: String,
     /// The job's shared secret, if any (alike on every rank).
     pub secret: Option<Secret>,
+    /// How the ranks find rank 0 when no address is given.
+    pub discovery: Discovery,
+}
+
+/// How the ranks find rank 0's rendezvous address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Discovery {
+    /// `coordinator` says it (or the world is one rank).
+    Given,
+    /// Rank 0 publishes its address in the launcher's PMIx store (`PMIX_NAMESPACE` is set).
+    Pmix,
+    /// Slurm without PMIx: `coordinator` is the step's first node at a port derived from the job
+    /// and step ids, and rank 0 listens there on every interface.
+    Slurm,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -485,7 +502,9 @@ impl Config {
             ib_retry,
             job_id: job_id_from_env(),
             secret: secret_from_env()?,
+            discovery: Discovery::Given,
         };
+        let cfg = cfg.discovered();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -497,8 +516,9 @@ impl Config {
         Config::new(rank, size, coordinator)
     }
 
-    /// A config with this identity and every setting at its default, without reading the
-    /// environment (for a rank whose settings are bad to tell the group, and for tests).
+    /// A config with this identity and every setting at its default, reading of the environment
+    /// only the job's identity, secret and launcher (for a rank whose settings are bad to tell
+    /// the group, and for tests).
     pub fn defaults(rank: usize, world_size: usize, coordinator: impl Into<String>) -> Self {
         Config {
             rank,
@@ -526,6 +546,16 @@ impl Config {
             ib_retry: None,
             job_id: job_id_from_env(),
             secret: secret_from_env().ok().flatten(),
+            discovery: Discovery::Given,
+        }
+        .discovered()
+    }
+
+    /// This config, finding rank 0 as the launcher allows where `coordinator` is empty.
+    fn discovered(self) -> Config {
+        Config {
+            discovery: discovery_from(&env, &self.coordinator, self.world_size),
+            ..self
         }
     }
 
@@ -592,15 +622,89 @@ fn identity_from(get: Lookup) -> Result<(usize, usize, String)> {
                 }
             }
             None if size == 1 => String::new(),
-            None => {
-                return Err(Error::Config(format!(
-                    "rank {rank} of {size}: no coordinator address; set RDMACOMM_COORDINATOR=host:port \
-                     or MASTER_ADDR (and MASTER_PORT)"
-                )))
-            }
+            // Rank 0 publishes it in the launcher's store.
+            None if get("PMIX_NAMESPACE").is_some() => String::new(),
+            None => match slurm_coordinator(get)? {
+                Some(c) => c,
+                None => {
+                    return Err(Error::Config(format!(
+                        "rank {rank} of {size}: no coordinator address, and no PMIx or Slurm \
+                         launcher to learn it from; set RDMACOMM_COORDINATOR=host:port or \
+                         MASTER_ADDR (and MASTER_PORT)"
+                    )))
+                }
+            },
         },
     };
     Ok((rank, size, coordinator))
+}
+
+/// Under Slurm without PMIx: the step's first node (where rank 0 runs under Slurm's block
+/// distribution) and `MASTER_PORT`, else a port in 20000..30000 derived from the job and step
+/// ids (alike on every rank, apart for concurrent steps); `None` outside Slurm.
+fn slurm_coordinator(get: Lookup) -> Result<Option<String>> {
+    let Some(job) = get("SLURM_JOB_ID") else {
+        return Ok(None);
+    };
+    let Some(list) = get("SLURM_STEP_NODELIST")
+        .or_else(|| get("SLURM_JOB_NODELIST"))
+        .or_else(|| get("SLURM_NODELIST"))
+    else {
+        return Ok(None);
+    };
+    let host = first_host(&list)
+        .ok_or_else(|| Error::Config(format!("SLURM_STEP_NODELIST={list:?}: no host in it")))?;
+    let port = match get("MASTER_PORT") {
+        Some(p) => p,
+        None => {
+            let step = get("SLURM_STEP_ID").unwrap_or_default();
+            let n = |v: &str| {
+                v.bytes()
+                    .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)))
+            };
+            let key = n(&job).wrapping_mul(1_000_003).wrapping_add(n(&step));
+            (20000 + key % 10000).to_string()
+        }
+    };
+    Ok(Some(format!("{host}:{port}")))
+}
+
+/// The first host of a Slurm host list (`node[01-04,07],gpu3` gives `node01`; a bracket in each
+/// dimension, as in `rack[1-2]-n[3-4]`, gives its first value).
+pub fn first_host(list: &str) -> Option<String> {
+    let mut out = String::new();
+    let mut chars = list.trim().chars();
+    while let Some(c) = chars.next() {
+        match c {
+            ',' => break,
+            '[' => {
+                let inner: String = chars.by_ref().take_while(|&c| c != ']').collect();
+                let first = inner.split([',', '-']).next()?.trim();
+                if first.is_empty() {
+                    return None;
+                }
+                out.push_str(first);
+            }
+            c => out.push(c),
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// How rank 0 is found when `coordinator` is what the identity gave.
+fn discovery_from(get: Lookup, coordinator: &str, size: usize) -> Discovery {
+    if size <= 1 {
+        Discovery::Given
+    } else if coordinator.is_empty() && get("PMIX_NAMESPACE").is_some() {
+        Discovery::Pmix
+    } else if get("RDMACOMM_COORDINATOR").is_none()
+        && get("MASTER_ADDR").is_none()
+        && slurm_coordinator(get).ok().flatten().as_deref() == Some(coordinator)
+    {
+        Discovery::Slurm
+    } else {
+        Discovery::Given
+    }
 }
 
 impl Config {
@@ -614,6 +718,13 @@ impl Config {
                 "world size {} is more than rdmacomm supports ({MAX_WORLD}: a work request names \
                  its peer in 14 bits)",
                 self.world_size
+            )));
+        }
+        if self.world_size > 1 && self.coordinator.is_empty() && self.discovery != Discovery::Pmix {
+            return Err(Error::Config(format!(
+                "rank {} of {}: no coordinator address; set RDMACOMM_COORDINATOR=host:port or \
+                 MASTER_ADDR (and MASTER_PORT)",
+                self.rank, self.world_size
             )));
         }
         if self.rank >= self.world_size {
@@ -639,9 +750,6 @@ impl Config {
                 "RDMACOMM_SLOTS={}: must be 2..=256",
                 self.slots
             )));
-        }
-        if self.world_size > 1 && self.coordinator.is_empty() {
-            return Err(Error::Config("no coordinator address (host:port)".into()));
         }
         Ok(())
     }
@@ -723,6 +831,78 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |name: &str| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn launchers_without_an_address() {
+        // mpirun: no address, PMIx's namespace: rank 0 publishes it there.
+        let mpirun = table(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("PMIX_NAMESPACE", "prterun-x-1@1"),
+            ("PMIX_RANK", "2"),
+        ]);
+        let (r, n, c) = identity_from(&mpirun).unwrap();
+        assert_eq!((r, n, c.as_str()), (2, 4, ""));
+        assert_eq!(discovery_from(&mpirun, &c, n), Discovery::Pmix);
+        // Slurm without PMIx: the step's first node, a port from the job and step, alike on
+        // every rank and different for another step.
+        let slurm = |rank: &str, step: &str| {
+            table(&[
+                ("SLURM_PROCID", rank),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_JOB_ID", "4711"),
+                ("SLURM_STEP_ID", step),
+                ("SLURM_STEP_NODELIST", "gpu[07-08,11],cpu3"),
+            ])
+        };
+        let (_, _, c0) = identity_from(&slurm("0", "1")).unwrap();
+        let (_, _, c5) = identity_from(&slurm("5", "1")).unwrap();
+        let (_, _, other) = identity_from(&slurm("5", "2")).unwrap();
+        assert_eq!(c0, c5);
+        assert_ne!(c0, other);
+        let (host, port) = c0.rsplit_once(':').unwrap();
+        assert_eq!(host, "gpu07");
+        assert!(
+            (20000..30000).contains(&port.parse::<u32>().unwrap()),
+            "{port}"
+        );
+        assert_eq!(discovery_from(&slurm("5", "1"), &c5, 8), Discovery::Slurm);
+        // MASTER_PORT picks the port; MASTER_ADDR makes it an address as given.
+        let mut vars = vec![
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_JOB_ID", "9"),
+            ("SLURM_JOB_NODELIST", "n1"),
+            ("MASTER_PORT", "6000"),
+        ];
+        assert_eq!(identity_from(&table(&vars)).unwrap().2, "n1:6000");
+        vars.push(("MASTER_ADDR", "head"));
+        let given = table(&vars);
+        let (_, n, c) = identity_from(&given).unwrap();
+        assert_eq!(c, "head:6000");
+        assert_eq!(discovery_from(&given, &c, n), Discovery::Given);
+        // Neither: the error says what to set.
+        let bare = table(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+        let e = identity_from(&bare).unwrap_err().to_string();
+        assert!(
+            e.contains("no PMIx or Slurm") && e.contains("MASTER_ADDR"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn slurm_host_lists() {
+        assert_eq!(first_host("node[01-04,07]").as_deref(), Some("node01"));
+        assert_eq!(first_host("a1,a2").as_deref(), Some("a1"));
+        assert_eq!(first_host("solo").as_deref(), Some("solo"));
+        assert_eq!(first_host("n[3,1-2]x").as_deref(), Some("n3x"));
+        assert_eq!(
+            first_host("rack[2-3]-n[05-06],z").as_deref(),
+            Some("rack2-n05")
+        );
+        assert_eq!(first_host(" ").as_deref(), None);
+        assert_eq!(first_host("n[]").as_deref(), None);
     }
 
     #[test]

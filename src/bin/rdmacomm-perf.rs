@@ -607,10 +607,10 @@ fn main() {
         }
     }
     if let Err(e) = rank_main(&o) {
-        eprintln!(
-            "rdmacomm-perf (rank {}): {e}",
-            std::env::var("RANK").unwrap_or_default()
-        );
+        let rank = rdmacomm::Config::identity_from_env()
+            .map(|(r, _, _)| r.to_string())
+            .unwrap_or_else(|_| "?".into());
+        eprintln!("rdmacomm-perf (rank {rank}): {e}");
         if matches!(e, rdmacomm::Error::NoDevice(_)) {
             eprintln!(
                 "rdmacomm-perf: this host has no usable RDMA device, so ranks cannot connect over RDMA. \

@@ -3,10 +3,12 @@
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
 pub mod bootstrap;
+pub mod discover;
 pub mod hybrid;
 pub mod mailbox;
 pub mod op;
 pub mod pacer;
+pub mod pmix;
 pub mod rdma;
 pub mod rendezvous;
 pub mod rings;
@@ -272,7 +274,13 @@ pub fn resolves_to_rdma(kind: Kind) -> bool {
 
 /// Connects the transport `kind` names for `cfg` (every rank must resolve to the same one).
 pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
-    connect_with(cfg, kind, &mut |card| rendezvous::rendezvous(cfg, card))
+    // Rank 0's address first: a transport's card names the address it reaches rank 0 from.
+    let mut meet = discover::meeting_point(cfg)?;
+    let mut listener = meet.listener.take();
+    let cfg = &meet.cfg;
+    connect_with(cfg, kind, &mut |card| {
+        rendezvous::rendezvous_on(cfg, card, listener.take())
+    })
 }
 
 /// [`connect`], meeting the other ranks through `meet`.

@@ -23,6 +23,7 @@ use crate::transport::bootstrap::{
     recv_frame, send_frame, send_frame_by, Reader, SideChannel, ABORT, HELLO, MAGIC, REJECT, TABLE,
     VERSION,
 };
+use crate::transport::discover::meeting_point;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::io::{ErrorKind, Read};
@@ -123,9 +124,12 @@ pub fn resolve(addr: &str) -> Result<SocketAddr> {
         .ok_or_else(|| Error::Config(format!("coordinator address {addr:?} resolves to nothing")))
 }
 
-/// Joins the group: exchanges `card` with every rank through rank 0.
+/// Joins the group: exchanges `card` with every rank through rank 0 (found as
+/// [`crate::config::Discovery`] says).
 pub fn rendezvous(cfg: &Config, card: &Card) -> Result<Rendezvous> {
-    rendezvous_on(cfg, card, None)
+    let mut meet = meeting_point(cfg)?;
+    let listener = meet.listener.take();
+    rendezvous_on(&meet.cfg, card, listener)
 }
 
 /// [`rendezvous`], with rank 0 accepting on `listener` when given (already bound, so its
@@ -148,10 +152,13 @@ pub fn rendezvous_on(
 pub fn refuse(cfg: &Config, why: &str) {
     let deadline = Instant::now() + cfg.timeout;
     let card = Card::default();
+    let Ok(mut meet) = meeting_point(cfg) else {
+        return;
+    };
     let _ = if cfg.rank == 0 {
-        coordinate(cfg, &card, deadline, None, Some(why)).map(|_| ())
+        coordinate(&meet.cfg, &card, deadline, meet.listener.take(), Some(why)).map(|_| ())
     } else {
-        join(cfg, &card, deadline, Some(why)).map(|_| ())
+        join(&meet.cfg, &card, deadline, Some(why)).map(|_| ())
     };
 }
 
