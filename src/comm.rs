@@ -14,7 +14,7 @@ use crate::transport::rendezvous::Card;
 use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -41,6 +41,14 @@ pub(crate) fn this_thread() -> u64 {
     ID.with(|id| *id)
 }
 
+/// The non-blocking operations of a scope not yet finished, and the callers waiting for none
+/// (a wake-up is a system call: made only for a waiter).
+#[derive(Debug, Default)]
+pub(crate) struct Started {
+    pub(crate) count: usize,
+    pub(crate) waiting: usize,
+}
+
 /// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
 /// device exists, over TCP (`RDMACOMM_TRANSPORT`).
 ///
@@ -55,6 +63,8 @@ pub struct Comm {
     inner: Mutex<Inner>,
     /// Set by the first failure; every later call returns it (readable while an op runs).
     poisoned: Mutex<Option<Poison>>,
+    /// Whether `poisoned` holds a reason (read without the lock on every call).
+    is_poisoned: AtomicBool,
     /// Through which [`Comm::abort`] stops an operation that runs (None for a world of one).
     abort_request: Option<Arc<AbortRequest>>,
     /// This rank, as errors name it.
@@ -62,8 +72,8 @@ pub struct Comm {
     /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
     pub(crate) executor: AtomicU64,
     /// Non-blocking operations started and not yet finished; a blocking one waits for none.
-    pub(crate) pending: Mutex<usize>,
-    /// Signalled when `pending` drops to zero.
+    pub(crate) pending: Mutex<Started>,
+    /// Signalled when `pending` drops to zero while a caller waits for that.
     pub(crate) drained: Condvar,
     algo: Mutex<Algo>,
     /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
@@ -115,7 +125,7 @@ impl Comm {
             abort_request,
             me,
             executor: AtomicU64::new(0),
-            pending: Mutex::new(0),
+            pending: Mutex::new(Started::default()),
             drained: Condvar::new(),
             rank: cfg.rank,
             size: cfg.world_size,
@@ -124,6 +134,7 @@ impl Comm {
                 scratch: Vec::new(),
             }),
             poisoned: Mutex::new(None),
+            is_poisoned: AtomicBool::new(false),
             algo: Mutex::new(algo),
             cfg,
             owner: AtomicU64::new(this_thread()),
@@ -400,8 +411,10 @@ impl Comm {
             return;
         }
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        while *p > 0 {
+        while p.count > 0 {
+            p.waiting += 1;
             p = self.drained.wait(p).unwrap_or_else(|e| e.into_inner());
+            p.waiting -= 1;
         }
     }
 
@@ -424,10 +437,14 @@ impl Comm {
         let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
             *p = Some(why);
+            self.is_poisoned.store(true, Ordering::Release);
         }
     }
 
     pub(crate) fn check_usable(&self) -> Result<()> {
+        if !self.is_poisoned.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(Poison::Failed(why)) => Err(Error::Poisoned(why.clone())),
             Some(Poison::Aborted { by, reason }) => Err(Error::Aborted {

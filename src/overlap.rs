@@ -26,7 +26,61 @@ use std::time::{Duration, Instant};
 /// about a microsecond instead of a thread wake-up).
 const SPIN: Duration = Duration::from_micros(20);
 
-type Job<'env> = Box<dyn FnOnce() + Send + 'env>;
+/// A started operation, as the queue runs it.
+trait Job<'env>: Send + Sync {
+    /// Runs the operation (once) and leaves its result in its slot.
+    fn run(&self, queue: &Queue<'env>);
+}
+
+/// A started operation as its handle sees it: where its result comes.
+trait Done<B>: Send + Sync {
+    fn slot(&self) -> &Slot<B>;
+}
+
+/// One started operation in one allocation: its closure until it runs, then its result.
+struct Cell<F, B> {
+    op: Mutex<Option<F>>,
+    slot: Slot<B>,
+}
+
+impl<B: Send, F: Send> Done<B> for Cell<F, B> {
+    fn slot(&self) -> &Slot<B> {
+        &self.slot
+    }
+}
+
+impl<'env, B, F> Job<'env> for Cell<F, B>
+where
+    B: Send + 'env,
+    F: FnOnce(&Comm) -> (Result<()>, B) + Send + 'env,
+{
+    fn run(&self, queue: &Queue<'env>) {
+        let comm = queue.comm;
+        let op = self.op.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(op) = op else { return };
+        let r = match catch_unwind(AssertUnwindSafe(|| op(comm))) {
+            Ok((r, b)) => r.map(|()| b),
+            // The operation poisoned the communicator and told the peers.
+            Err(_) => comm.check_usable().and(Err(Error::Poisoned(
+                "a non-blocking operation panicked".into(),
+            ))),
+        };
+        if let Err(e) = &r {
+            queue.failed.store(true, Ordering::Release);
+            queue
+                .first_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(|| e.to_string());
+        }
+        self.slot.put(r);
+        let mut p = comm.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.count -= 1;
+        if p.count == 0 && p.waiting > 0 {
+            comm.drained.notify_all();
+        }
+    }
+}
 
 thread_local! {
     /// Whether this thread is running an operation of a scope (then a blocking call inside it
@@ -43,12 +97,17 @@ pub(crate) fn in_job() -> bool {
 /// progress thread, or a caller waiting on an operation that has not begun) runs the next one,
 /// so operations run one at a time in call order.
 struct Queue<'env> {
+    comm: &'env Comm,
     state: Mutex<QueueState<'env>>,
     changed: Condvar,
+    /// Whether an operation failed.
+    failed: AtomicBool,
+    /// The first failure, in words, for a scope whose communicator it did not poison.
+    first_error: Mutex<Option<String>>,
 }
 
 struct QueueState<'env> {
-    jobs: VecDeque<Job<'env>>,
+    jobs: VecDeque<Arc<dyn Job<'env> + 'env>>,
     closed: bool,
     running: bool,
     /// The progress thread sleeps until woken (else it looks again every [`LOOK_EVERY`]).
@@ -63,7 +122,7 @@ const LOOK_EVERY: Duration = Duration::from_millis(1);
 const DOZE_AFTER: Duration = Duration::from_millis(20);
 
 impl<'env> Queue<'env> {
-    fn push(&self, job: Job<'env>) {
+    fn push(&self, job: Arc<dyn Job<'env> + 'env>) {
         let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
         q.jobs.push_back(job);
         if q.asleep {
@@ -78,9 +137,10 @@ impl<'env> Queue<'env> {
     }
 
     /// Runs `job` holding the token, then gives the token back.
-    fn run(&self, job: Job<'env>) {
+    fn run(&self, job: Arc<dyn Job<'env> + 'env>) {
         IN_JOB.with(|j| j.set(true));
-        job();
+        job.run(self);
+        drop(job);
         IN_JOB.with(|j| j.set(false));
         let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
         q.running = false;
@@ -113,7 +173,12 @@ impl<'env> Queue<'env> {
                 }
                 q.asleep = last.elapsed() > DOZE_AFTER;
                 q = if q.asleep {
-                    self.changed.wait(q).unwrap_or_else(|e| e.into_inner())
+                    let q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
+                    // Operations come again: look for them for a while instead of being woken
+                    // by each start (a waiter that runs its own would leave this thread dozing,
+                    // and every start would then pay a wake-up).
+                    last = Instant::now();
+                    q
                 } else {
                     let (q, _) = self
                         .changed
@@ -145,15 +210,25 @@ impl<'env> Queue<'env> {
 /// Where an operation leaves its result and hands back its buffers.
 struct Slot<B> {
     done: AtomicBool,
-    out: Mutex<Option<Result<B>>>,
+    out: Mutex<Handback<B>>,
     cv: Condvar,
+}
+
+/// A result to hand back, and whether its waiter sleeps (a wake-up is a system call: made only
+/// for a sleeper).
+struct Handback<B> {
+    result: Option<Result<B>>,
+    sleeping: bool,
 }
 
 impl<B> Slot<B> {
     fn put(&self, r: Result<B>) {
-        *self.out.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        let mut o = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        o.result = Some(r);
         self.done.store(true, Ordering::Release);
-        self.cv.notify_all();
+        if o.sleeping {
+            self.cv.notify_all();
+        }
     }
 }
 
@@ -161,7 +236,7 @@ impl<B> Slot<B> {
 /// back its output buffer; dropping it without waiting waits (the scope's end would anyway).
 #[must_use = "an operation's error is seen by waiting on it (or at the end of its scope)"]
 pub struct Pending<'env, B> {
-    slot: Arc<Slot<B>>,
+    op: Arc<dyn Done<B> + 'env>,
     queue: Arc<Queue<'env>>,
     /// Waited on by the thread that started it (which may run it): not sent elsewhere.
     _here: PhantomData<*const ()>,
@@ -170,24 +245,31 @@ pub struct Pending<'env, B> {
 impl<B> Pending<'_, B> {
     /// Whether the operation has finished (never blocks).
     pub fn test(&self) -> bool {
-        self.slot.done.load(Ordering::Acquire)
+        self.op.slot().done.load(Ordering::Acquire)
     }
 
     /// Until the operation is done: runs it (and those before it) here where the progress
     /// thread has not begun them, else waits for it.
     fn finish(&self) {
-        while !self.slot.done.load(Ordering::Acquire) {
+        while !self.op.slot().done.load(Ordering::Acquire) {
             if self.queue.help() {
                 continue;
             }
             let t0 = Instant::now();
-            while !self.slot.done.load(Ordering::Acquire) && t0.elapsed() < SPIN {
+            while !self.op.slot().done.load(Ordering::Acquire) && t0.elapsed() < SPIN {
                 std::hint::spin_loop();
             }
-            let g = self.slot.out.lock().unwrap_or_else(|e| e.into_inner());
-            if !self.slot.done.load(Ordering::Acquire) {
+            let mut g = self.op.slot().out.lock().unwrap_or_else(|e| e.into_inner());
+            if !self.op.slot().done.load(Ordering::Acquire) {
                 // Woken by the result; the timed wait re-checks whether the token came free.
-                let _ = self.slot.cv.wait_timeout(g, Duration::from_millis(1));
+                g.sleeping = true;
+                let (mut g, _) = self
+                    .op
+                    .slot()
+                    .cv
+                    .wait_timeout(g, Duration::from_millis(1))
+                    .unwrap_or_else(|e| e.into_inner());
+                g.sleeping = false;
             }
         }
     }
@@ -196,10 +278,12 @@ impl<B> Pending<'_, B> {
     /// back its output buffer.
     pub fn wait(self) -> Result<B> {
         self.finish();
-        self.slot
+        self.op
+            .slot()
             .out
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .result
             .take()
             .expect("a finished operation's result, taken once")
     }
@@ -217,9 +301,6 @@ impl<B> Drop for Pending<'_, B> {
 pub struct Overlap<'env> {
     comm: &'env Comm,
     queue: Arc<Queue<'env>>,
-    failed: Arc<AtomicBool>,
-    /// The first failure, in words, for a scope whose communicator it did not poison.
-    first_error: Arc<Mutex<Option<String>>>,
     /// Invariant: buffers are borrowed for exactly the scope's environment.
     _env: PhantomData<&'env mut &'env ()>,
 }
@@ -262,6 +343,7 @@ impl Comm {
         let scope = Overlap {
             comm: self,
             queue: Arc::new(Queue {
+                comm: self,
                 state: Mutex::new(QueueState {
                     jobs: VecDeque::new(),
                     closed: false,
@@ -269,9 +351,9 @@ impl Comm {
                     asleep: true,
                 }),
                 changed: Condvar::new(),
+                failed: AtomicBool::new(false),
+                first_error: Mutex::new(None),
             }),
-            failed: Arc::new(AtomicBool::new(false)),
-            first_error: Arc::new(Mutex::new(None)),
             _env: PhantomData,
         };
         let (started_tx, started_rx) = std::sync::mpsc::channel();
@@ -304,9 +386,13 @@ impl Comm {
             Ok(r) => r,
             Err(panic) => std::panic::resume_unwind(panic),
         };
-        if scope.failed.load(Ordering::Acquire) {
+        if scope.queue.failed.load(Ordering::Acquire) {
             self.check_usable()?;
-            let first = scope.first_error.lock().unwrap_or_else(|e| e.into_inner());
+            let first = scope
+                .queue
+                .first_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             if let Some(why) = first.clone() {
                 return Err(Error::InvalidArgument(format!(
                     "a non-blocking operation failed: {why}"
@@ -330,38 +416,25 @@ impl<'env> Overlap<'env> {
     ) -> Result<Pending<'env, B>> {
         self.comm.check_thread(&"a non-blocking operation")?;
         self.comm.check_usable()?;
-        let slot = Arc::new(Slot {
-            done: AtomicBool::new(false),
-            out: Mutex::new(None),
-            cv: Condvar::new(),
+        let cell = Arc::new(Cell {
+            op: Mutex::new(Some(op)),
+            slot: Slot {
+                done: AtomicBool::new(false),
+                out: Mutex::new(Handback {
+                    result: None,
+                    sleeping: false,
+                }),
+                cv: Condvar::new(),
+            },
         });
-        let (to, comm, failed) = (slot.clone(), self.comm, self.failed.clone());
-        let first_error = self.first_error.clone();
-        *comm.pending.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.queue.push(Box::new(move || {
-            let r = match catch_unwind(AssertUnwindSafe(|| op(comm))) {
-                Ok((r, b)) => r.map(|()| b),
-                // The operation poisoned the communicator and told the peers.
-                Err(_) => comm.check_usable().and(Err(Error::Poisoned(
-                    "a non-blocking operation panicked".into(),
-                ))),
-            };
-            if let Err(e) = &r {
-                failed.store(true, Ordering::Release);
-                first_error
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert_with(|| e.to_string());
-            }
-            to.put(r);
-            let mut p = comm.pending.lock().unwrap_or_else(|e| e.into_inner());
-            *p -= 1;
-            if *p == 0 {
-                comm.drained.notify_all();
-            }
-        }));
+        self.comm
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .count += 1;
+        self.queue.push(cell.clone());
         Ok(Pending {
-            slot,
+            op: cell,
             queue: self.queue.clone(),
             _here: PhantomData,
         })
