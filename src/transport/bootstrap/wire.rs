@@ -1,0 +1,222 @@
+//! Frames on the bootstrap's connections, and the tags that say which transport a card is for.
+
+use crate::error::{Error, Result};
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
+
+pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
+/// The wire protocol's version (5: a challenge first; the HELLO carries the job, the shared
+/// settings, a configuration error and a MAC; with a secret, the card only after rank 0 proved
+/// it; per-rank tables with a session key; operation descriptors on the data path; a key per
+/// peer over RDMA), checked at the rendezvous so that mixed builds fail with a
+/// clear error instead of misreading each other.
+pub(crate) const VERSION: u16 = 5;
+pub(crate) const HELLO: u8 = 1;
+pub(crate) const REJECT: u8 = 2;
+pub(crate) const TABLE: u8 = 3;
+pub(super) const READY: u8 = 4;
+pub(super) const GO: u8 = 5;
+pub(crate) const ABORT: u8 = 6;
+pub(super) const BYE: u8 = 7;
+/// A rank's wait ran out: it names the rank it waits on (to rank 0, which judges).
+pub(super) const STALLED: u8 = 8;
+pub(super) const MAX_FRAME: usize = 64 << 20;
+
+pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+/// A cursor over a received frame.
+pub(crate) struct Reader<'a>(pub &'a [u8]);
+
+impl<'a> Reader<'a> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.0.len() < n {
+            return Err(Error::Bootstrap(
+                "truncated message from a peer (version mismatch?)".into(),
+            ));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    pub(crate) fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    pub(super) fn string(&mut self) -> Result<String> {
+        Ok(String::from_utf8_lossy(self.bytes()?).into_owned())
+    }
+}
+
+pub(crate) fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
+    let mut f = Vec::with_capacity(body.len() + 5);
+    f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(body);
+    s.write_all(&f)
+}
+
+/// [`send_frame`] by `deadline` at the latest (a socket's write timeout bounds each write call,
+/// not the frame: a reader taking a few bytes at a time could stretch it without end).
+pub(crate) fn send_frame_by(
+    s: &mut TcpStream,
+    kind: u8,
+    body: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let mut f = Vec::with_capacity(body.len() + 5);
+    f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(body);
+    let mut at = 0;
+    while at < f.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!("{} of {} bytes written by the deadline", at, f.len()),
+            ));
+        }
+        s.set_write_timeout(Some(left))?;
+        match s.write(&f[at..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(k) => at += k,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut read_exact = |buf: &mut [u8]| -> std::io::Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(ErrorKind::TimedOut, "timed out"));
+            }
+            s.set_read_timeout(Some(left))?;
+            match s.read(&mut buf[got..]) {
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        "connection closed",
+                    ))
+                }
+                Ok(n) => got += n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(std::io::Error::new(ErrorKind::TimedOut, "timed out"))
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    };
+    let mut len = [0u8; 4];
+    read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            format!("bad frame length {len}"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    read_exact(&mut body)?;
+    let kind = body.remove(0);
+    Ok((kind, body))
+}
+
+/// The tag each transport puts first in its card.
+pub(crate) const TAG_RDMA: u32 = 0x4144_4d52; // "RDMA"
+/// The tag of a TCP card.
+pub(crate) const TAG_TCP: u32 = 0x2050_4354; // "TCP "
+/// Tag of a shared-memory card.
+pub(crate) const TAG_SHM: u32 = 0x204d_4853; // "SHM "
+/// Tag of the prefix a network transport's card carries (shared memory to same-host peers or
+/// not), ahead of its own tag.
+pub(crate) const TAG_HYBRID: u32 = 0x4e54_454e; // "NETN"
+
+/// Checks that every rank's card starts with `tag` (all ranks chose the same transport).
+pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u32) -> Result<()> {
+    let name = |t: u32| {
+        if t == TAG_RDMA {
+            "RDMA"
+        } else if t == TAG_TCP {
+            "TCP"
+        } else if t == TAG_SHM {
+            "shared memory"
+        } else if t == TAG_HYBRID {
+            "RDMA or TCP with shared memory to same-host peers (RDMACOMM_SHM)"
+        } else {
+            "an unknown transport"
+        }
+    };
+    for (p, c) in cards.iter().enumerate() {
+        let t = c
+            .get(..4)
+            .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+        if t != tag {
+            return Err(Error::Config(format!(
+                "rank {p} ({}) uses {} but rank {me} uses {}: set RDMACOMM_TRANSPORT alike on every rank \
+                 (auto picks RDMA only where a device is usable)",
+                addrs[p],
+                name(t),
+                name(tag)
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_on_another_transport_is_named() {
+        let card = |t: u32| t.to_le_bytes().to_vec();
+        let addrs: Vec<String> = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+            .map(String::from)
+            .into();
+        let same = vec![card(TAG_RDMA); 3];
+        assert!(check_tags(&same, &addrs, 0, TAG_RDMA).is_ok());
+        for (other, name) in [
+            (TAG_TCP, "uses TCP"),
+            (TAG_SHM, "uses shared memory"),
+            (TAG_HYBRID, "uses RDMA or TCP with shared memory"),
+            (7, "uses an unknown transport"),
+        ] {
+            let mixed = vec![card(TAG_RDMA), card(TAG_RDMA), card(other)];
+            let e = check_tags(&mixed, &addrs, 1, TAG_RDMA)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("rank 2 (10.0.0.3)")
+                    && e.contains(name)
+                    && e.contains("rank 1 uses RDMA"),
+                "{e}"
+            );
+        }
+        let empty = vec![card(TAG_TCP), Vec::new()];
+        let e = check_tags(&empty, &addrs[..2], 0, TAG_TCP)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 1") && e.contains("unknown transport"),
+            "{e}"
+        );
+    }
+}

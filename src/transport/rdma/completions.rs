@@ -1,0 +1,127 @@
+//! What the completion queue and the device say: completed writes and arrived chunks, failed
+//! work requests named by peer, and the health checks (async events, QP states, probes).
+
+use super::*;
+
+impl RdmaTransport {
+    /// Whether every peer is still reachable, without blocking: the side channel, the device's
+    /// async events, each QP's state, and a zero-byte RDMA write probe per peer whose
+    /// completion is checked on the next call.
+    pub fn health(&mut self) -> Result<()> {
+        self.check_side()?;
+        self.poll()?;
+        for ev in self.events.drain() {
+            if ev.is_fatal() {
+                let who = match ev {
+                    AsyncEvent::QpFatal(qpn) => (0..self.peers.len()).find(|&p| {
+                        self.peers[p]
+                            .as_ref()
+                            .is_some_and(|s| s.qp.endpoint().qpn == qpn)
+                    }),
+                    _ => None,
+                };
+                // A QP's event blames its peer; port, CQ and device events are this rank's own.
+                let p = who.unwrap_or(self.rank);
+                return Err(self.fail(p, format!("device event on {}: {ev:?}", self.device)));
+            }
+        }
+        let sq_limit = 2 * self.layout.slots as u64 + 16;
+        for p in 0..self.peers.len() {
+            let Some(st) = self.peers[p].as_ref() else {
+                continue;
+            };
+            if st.qp.query_state()? == QueuePairState::Error {
+                return Err(self.fail(p, "its queue pair is in the error state".into()));
+            }
+            match st.probe {
+                Some(t) if t.elapsed() > self.timeout => {
+                    let why = format!("a probe write went unanswered for {:?}", self.timeout);
+                    return Err(self.fail(p, why));
+                }
+                Some(_) => {}
+                None if st.wr_posted - st.wr_done + 2 < sq_limit => {
+                    self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(self.rank), None)?;
+                    self.state(p).probe = Some(Instant::now());
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls the CQ once; returns whether anything completed.
+    pub(super) fn poll(&mut self) -> Result<bool> {
+        let mut events: [(u64, u32, u32, u32); 64] = [(0, 0, 0, 0); 64];
+        let mut m = 0;
+        self.cq.poll(|c| {
+            if m < events.len() {
+                events[m] = (c.wr_id, c.status, c.byte_len, c.imm);
+                m += 1;
+            }
+        })?;
+        for &(id, status, len, imm) in &events[..m] {
+            let kind = id >> 62;
+            let p = ((id >> 48) & 0x3fff) as usize;
+            let index = id & 0xffff_ffff_ffff;
+            if status != 0 {
+                let what = match kind {
+                    KIND_DATA => "an RDMA write of data",
+                    KIND_CREDIT => "an RDMA write of credits",
+                    KIND_PROBE => "a probe write",
+                    _ => "a receive",
+                };
+                // A local error, or our own port down, is this rank's failure (its link or
+                // device), not the peer's: blame ourselves so every rank names the right one.
+                let local = matches!(status, 1 | 2 | 4 | 8 | 19 | 21);
+                let port_down = !self.port_active();
+                let why = format!("{what} to rank {p} failed: {}", verbs::status_str(status));
+                if local || port_down {
+                    let why = format!(
+                        "{why}; {} is {}",
+                        self.device,
+                        if port_down { "DOWN" } else { "in error" }
+                    );
+                    return Err(self.fail(self.rank, why));
+                }
+                return Err(self.fail(p, why));
+            }
+            let slots = self.layout.slots as u64;
+            let st = self.state(p);
+            match kind {
+                KIND_RECV => {
+                    // The chunk's number from its low 16 bits: at or above the next expected,
+                    // within `slots` of the consumed count (credits), into an empty slot.
+                    let k = protocol::chunk_number(st.consumed, (imm & 0xffff) as u16);
+                    if !protocol::arrival_ok(k, st.cq_next, st.consumed, slots)
+                        || st.lens[(k % slots) as usize] != EMPTY
+                    {
+                        let e = format!(
+                            "protocol error: chunk {} arrived where {} (at most {}) was expected",
+                            imm & 0xffff,
+                            st.cq_next,
+                            st.consumed + slots - 1
+                        );
+                        return Err(self.fail(p, e));
+                    }
+                    // The peer's consumed count of our chunks, from its low 16 bits: it lies
+                    // within `slots` below what we sent.
+                    st.peer_consumed = st
+                        .peer_consumed
+                        .max(protocol::below(st.sent, (imm >> 16) as u16));
+                    st.lens[(k % slots) as usize] = len;
+                    st.cq_next = k + 1;
+                    st.qp.post_recv(wr_id(KIND_RECV, p, k + slots))?;
+                }
+                _ => {
+                    // Every WR up to this one is done (in order), signaled or not.
+                    st.wr_done = st.wr_done.max(index + 1);
+                    st.retire_sends();
+                    if kind == KIND_PROBE {
+                        st.probe = None;
+                    }
+                }
+            }
+        }
+        Ok(m > 0)
+    }
+}

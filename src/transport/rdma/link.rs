@@ -1,0 +1,386 @@
+//! The data path: posting chunks into a peer's slots or mailboxes within its credits, taking
+//! arrived chunks and returning credits, and waiting.
+
+use super::*;
+
+impl RdmaTransport {
+    /// Posts a WR on `p`'s QP, signaling when needed so the send queue never fills.
+    pub(super) fn post(
+        &mut self,
+        p: usize,
+        kind: u64,
+        off: usize,
+        len: usize,
+        remote_off: usize,
+        imm: Option<u32>,
+    ) -> Result<()> {
+        let sge = Sge {
+            lkey: self.buf.lkey_at(off, len),
+            addr: self.buf.addr() + off as u64,
+            len: len as u32,
+        };
+        self.post_from(p, kind, &[sge], remote_off, imm, false)
+    }
+
+    /// [`RdmaTransport::post`] from the ranges `local`: our buffer, then possibly the lent one.
+    /// A `quiet` data write (inline from the staging slot) may go unsignaled.
+    pub(super) fn post_from(
+        &mut self,
+        p: usize,
+        kind: u64,
+        local: &[Sge],
+        remote_off: usize,
+        imm: Option<u32>,
+        quiet: bool,
+    ) -> Result<()> {
+        let st = self.peers[p].as_mut().expect("no link to self");
+        // A WR that needs nothing after posting may go unsignaled (see the module notes).
+        let fire_and_forget = kind == KIND_CREDIT || (kind == KIND_DATA && quiet);
+        let signaled = !fire_and_forget || st.unsignaled >= QUIET_MAX;
+        let id = wr_id(kind, p, st.wr_posted);
+        let remote_addr = st.remote.addr + remote_off as u64;
+        // SAFETY: the local range lies in our registered buffer (off/len from the layout), which
+        // outlives every QP (field order), or in the lent buffer, which stays registered and
+        // unwritten until the write completes (settle, finish) or the operation failed and
+        // release() deregistered it (the WR then fails; the memory is never touched after); the
+        // data slot is not reused before this write completes (send_done); credit words are sent
+        // inline (copied at post time).
+        let r = unsafe {
+            st.qp
+                .post_write(id, local, st.remote.rkey, remote_addr, imm, signaled)
+        };
+        if let Err(e) = r {
+            return Err(self.fail(p, e.to_string()));
+        }
+        let st = self.state(p);
+        st.wr_posted += 1;
+        st.unsignaled = if signaled { 0 } else { st.unsignaled + 1 };
+        Ok(())
+    }
+
+    /// Chunk `k` from `p`, if it has landed in its mailbox: (length, offset of the entry, the low
+    /// 16 bits of `p`'s consumed count of our chunks).
+    pub(super) fn landed(&self, p: usize, k: u64) -> Option<(usize, usize, u16)> {
+        let entry = self.layout.mailbox_off(p, k);
+        let ptr = self.buf.ptr_at(entry + ENTRY - 8) as *const u64;
+        // SAFETY: an aligned u64 inside our buffer (entries are 64-byte aligned), written only
+        // by the peer's RDMA writes; read volatile since the device changes it behind the
+        // compiler's back.
+        let tag = u64::from_le(unsafe { std::ptr::read_volatile(ptr) });
+        let len = mailbox::tag_len(tag, k)?;
+        // The tag is read before the bytes written ahead of it.
+        fence(Ordering::Acquire);
+        Some((len, entry, mailbox::tag_consumed(tag)))
+    }
+
+    /// The highest consumed count of our chunks that `p` reported in a mailbox chunk that
+    /// arrived and is not taken yet (0 if none).
+    pub(super) fn mailbox_credits(&self, p: usize) -> u64 {
+        let st = self.peers[p].as_ref().expect("no link to self");
+        (st.consumed..st.consumed + self.layout.slots as u64)
+            .filter_map(|k| self.landed(p, k))
+            .map(|(.., low)| protocol::below(st.sent, low))
+            .max()
+            .unwrap_or(0)
+    }
+
+    pub(super) fn credits_from(&self, p: usize) -> u64 {
+        let ptr = self.buf.ptr_at(self.layout.credit_off(p)) as *const u64;
+        // SAFETY: an aligned u64 inside our buffer, written only by the peer's RDMA writes;
+        // read volatile since the HCA changes it behind the compiler's back.
+        let v = unsafe { std::ptr::read_volatile(ptr) };
+        fence(Ordering::Acquire);
+        v
+    }
+}
+
+impl Link for RdmaTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.layout.n
+    }
+
+    fn peer(&self, rank: usize) -> Peer {
+        self.watch.peer(rank)
+    }
+
+    fn max_chunk(&self) -> usize {
+        self.layout.slot
+    }
+
+    fn medium(&self) -> crate::transport::Medium {
+        crate::transport::Medium::Rdma
+    }
+
+    fn takes_return_credits(&self) -> bool {
+        // A peer waits for our credits once its slots are full; we return them only as we take.
+        true
+    }
+
+    fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
+        debug_assert!(data.len() <= self.layout.slot);
+        let slots = self.layout.slots as u64;
+        let word = self.credits_from(p);
+        let st = self.state(p);
+        if word > st.sent {
+            // A peer cannot have consumed what was never sent: it is misbehaving.
+            let e = format!(
+                "protocol error: its credit word says {word} chunks consumed of {} sent",
+                st.sent
+            );
+            return Err(self.fail(p, e));
+        }
+        let mut credits = word.max(st.peer_consumed);
+        let (k, consumed) = (st.sent, st.consumed);
+        if !protocol::has_credit(k, credits, slots) {
+            // Credits ride on chunks that arrived but are not taken yet: on receive
+            // completions (seen when polled) and in mailbox trailers (seen only here).
+            credits = credits.max(self.mailbox_credits(p));
+            self.state(p).peer_consumed = credits;
+        }
+        let st = self.state(p);
+        let sq_room = st.wr_posted - st.wr_done + 2 < 2 * slots + 16;
+        if !protocol::may_post(k, credits, st.send_done, slots) || !sq_room {
+            return Ok(false);
+        }
+        // The operation's first chunk to p carries its descriptor just ahead of the data.
+        let wire = self.op_wire;
+        let st = self.state(p);
+        let head = if st.head_out { op::WIRE } else { 0 };
+        let desc = OpDesc::numbered(wire, st.seq_out);
+        // A lent or registered buffer sends straight from memory, but a chunk small enough to
+        // go inline is copied at post time (by mailbox up to 56 bytes) and needs no settling.
+        let region = if data.len() > MAX_INLINE as usize {
+            self.lent
+                .iter()
+                .chain(self.registered.iter().map(|(_, r)| r))
+                .find(|r| r.contains(data))
+        } else {
+            None
+        };
+        let to_mailbox = region.is_none() && head + data.len() <= mailbox::MAX_PAYLOAD;
+        let off = self.layout.send_off(p, k);
+        let staging_key = self.buf.lkey_at(off, 0);
+        let staged_head = Sge {
+            lkey: staging_key,
+            addr: self.buf.addr() + (off - head) as u64,
+            len: head as u32,
+        };
+        if head > 0 {
+            self.buf.slice_mut(off - head, head).copy_from_slice(&desc);
+        }
+        let mut len = head + data.len();
+        let (sges, zero_copy) = match region {
+            // The descriptor from the staging slot, then the data from the caller's memory.
+            Some(r) => {
+                let from = Sge {
+                    lkey: r.lkey(),
+                    addr: data.as_ptr() as u64,
+                    len: data.len() as u32,
+                };
+                ([staged_head, from], true)
+            }
+            None => {
+                let none = Sge {
+                    len: 0,
+                    ..staged_head
+                };
+                if to_mailbox {
+                    let mut payload = [0u8; mailbox::MAX_PAYLOAD];
+                    payload[..head].copy_from_slice(&desc[..head]);
+                    payload[head..len].copy_from_slice(data);
+                    let out = self.buf.slice_mut(off, ENTRY);
+                    len = mailbox::encode(k, consumed, &payload[..len], out);
+                    let at = Sge {
+                        lkey: staging_key,
+                        addr: self.buf.addr() + off as u64,
+                        len: len as u32,
+                    };
+                    ([at, none], false)
+                } else {
+                    crate::copy::copy(self.buf.slice_mut(off, data.len()), data);
+                    let whole = Sge {
+                        len: len as u32,
+                        ..staged_head
+                    };
+                    ([whole, none], false)
+                }
+            }
+        };
+        let (remote_off, imm) = if to_mailbox {
+            let entry = self.layout.mailbox_off(self.rank, k);
+            (entry + mailbox::write_offset(len), None)
+        } else {
+            let imm = protocol::immediate(k, consumed);
+            (self.layout.recv_off(self.rank, k) - head, Some(imm))
+        };
+        let quiet = !zero_copy && len <= MAX_INLINE as usize;
+        let wr = self.state(p).wr_posted;
+        self.state(p).chunk_wr[(k % slots) as usize] = if quiet { FREE_AT_POST } else { wr };
+        self.post_from(p, KIND_DATA, &sges, remote_off, imm, quiet)?;
+        if zero_copy {
+            if self.zc.len() == self.zc.capacity() {
+                self.retire_zero_copy(); // at most slots per peer remain: no reallocation
+            }
+            let a = data.as_ptr() as usize;
+            self.zc.push_back((p, k, a, a + data.len()));
+        }
+        let st = self.state(p);
+        st.head_out = false;
+        st.returned = consumed;
+        st.sent += 1;
+        st.retire_sends();
+        self.made_progress();
+        // Look at the completion queue (a user-space read) after every post, so a caller that
+        // keeps posting still sees, and takes, what arrived meanwhile (on rxe a post takes long
+        // enough for the peer's chunks to land); idle turns poll in `progress`.
+        self.poll()?;
+        Ok(true)
+    }
+
+    fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        let slots = self.layout.slots as u64;
+        let st = self.state(p);
+        let k = st.consumed;
+        let slot = (k % slots) as usize;
+        let head = if st.head_in { op::WIRE } else { 0 };
+        let (by_imm, seq, sent) = (st.lens[slot], st.seq_in, st.sent);
+        // The chunk's bytes as written (the descriptor first, if any): where, how many, and
+        // the credits a mailbox trailer carries.
+        let (off, len, mailbox_consumed) = if by_imm != EMPTY {
+            (self.layout.recv_off(p, k) - head, by_imm as usize, None)
+        } else {
+            let Some((len, entry, low)) = self.landed(p, k) else {
+                return Ok(false);
+            };
+            let consumed = Some(protocol::below(sent, low));
+            (
+                entry + mailbox::payload(len.min(mailbox::MAX_PAYLOAD)).start,
+                len,
+                consumed,
+            )
+        };
+        let limit = if by_imm != EMPTY {
+            self.layout.slot + head
+        } else {
+            mailbox::MAX_PAYLOAD
+        };
+        // Nothing a peer writes is trusted: a length past what it may write, or short of the
+        // descriptor it owes, fails that peer.
+        if len > limit || len < head {
+            let e = format!(
+                "protocol error: chunk {k} has {len} bytes (at least {head}, at most {limit} allowed)"
+            );
+            return Err(self.fail(p, e));
+        }
+        if head > 0 {
+            let got = self.buf.slice(off, head);
+            if got != OpDesc::numbered(self.op_wire, seq) {
+                let mine = OpDesc { seq, ..self.op };
+                if let Err(why) = mine.check(got, p, self.rank) {
+                    return Err(self.watch.mismatch(p, why));
+                }
+            }
+        }
+        f(self.buf.slice(off + head, len - head))?;
+        let st = self.state(p);
+        st.head_in = false;
+        st.lens[slot] = EMPTY;
+        if let Some(c) = mailbox_consumed {
+            st.peer_consumed = st.peer_consumed.max(c);
+        }
+        let st = self.state(p);
+        st.consumed += 1;
+        let consumed = st.consumed;
+        // Return credits in batches of half the slots: the writer then always has half its
+        // slots free or unconsumed data waiting here, so batching cannot deadlock, and most
+        // small operations finish without a credit write on their critical path.
+        if !protocol::return_due(consumed, st.returned, slots) {
+            self.made_progress();
+            return Ok(true);
+        }
+        st.returned = consumed;
+        // Our consumed count into the writer's credit word for us (inline).
+        let credit_remote = self.layout.credit_off(self.rank);
+        let tmp_off = self.layout.credit_off(p) + 8; // a scratch word beside p's credit word
+        self.buf
+            .slice_mut(tmp_off, 8)
+            .copy_from_slice(&consumed.to_le_bytes());
+        self.post(p, KIND_CREDIT, tmp_off, 8, credit_remote, None)?;
+        self.made_progress();
+        Ok(true)
+    }
+
+    fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        self.settle(dst)?;
+        self.try_take(p, &mut |src: &[u8]| copy_chunk(src, dst, p))
+    }
+
+    fn lend(&mut self, buf: &[u8]) {
+        self.lend_source(buf)
+    }
+
+    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
+        // SAFETY: the caller keeps `buf` alive and unmoved while registered (Link::register).
+        unsafe { self.register_source_for_calls(buf) }
+    }
+
+    fn unregister(&mut self, id: u64) {
+        self.unregister_source(id)
+    }
+
+    fn settle(&mut self, range: &[u8]) -> Result<()> {
+        self.settle_range(range)
+    }
+
+    fn release(&mut self) {
+        self.release_sources()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.finish_sends()
+    }
+
+    fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        self.watch.waiting_on(Some(waiting_on));
+        self.watch.poll_sometimes()?;
+        if self.poll()? {
+            self.made_progress();
+            return Ok(());
+        }
+        match self.pacer.idle() {
+            Wait::Spin => std::hint::spin_loop(),
+            Wait::Yield => std::thread::yield_now(),
+            Wait::BackOff => {
+                self.watch.poll()?;
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
+        }
+        Ok(())
+    }
+
+    fn begin(&mut self) {
+        self.pacer.begin();
+    }
+
+    fn start(&mut self, op: &OpDesc, scope: Scope) {
+        self.op = *op;
+        self.op_wire = op.encode();
+        self.watch.waiting_on(None);
+        for (p, st) in self.peers.iter_mut().enumerate() {
+            let Some(st) = st.as_mut() else { continue };
+            if scope.counts(p, true) {
+                st.seq_out = st.seq_out.wrapping_add(1);
+                st.head_out = true;
+            }
+            if scope.counts(p, false) {
+                st.seq_in = st.seq_in.wrapping_add(1);
+                st.head_in = true;
+            }
+        }
+    }
+}

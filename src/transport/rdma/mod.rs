@@ -1,0 +1,232 @@
+//! The RDMA transport: one reliable-connected QP per peer, one registered buffer holding every
+//! peer's receive slots, send staging slots and credit words, and RDMA WRITE_WITH_IMM into the
+//! peer's slots with credit-based flow control (never RNR).
+//!
+//! Protocol, per ordered pair (writer w, reader r), with S slots of B bytes:
+//! - chunk number k goes to r's slot `k % S` (a WRITE_WITH_IMM; the immediate's low 16 bits are
+//!   `k`, its high 16 bits the count of w's own chunks that w has consumed from r, so credits
+//!   ride along with data; the receive completion's byte count is the length);
+//! - w may post chunk k only when r has consumed chunk k-S: r reports its consumed count by an
+//!   8-byte inline RDMA WRITE into w's credit word for r once S/2 chunks went unreported (a data
+//!   write from r to w reports them too, so exchanges between two ranks need no credit writes);
+//! - w reuses its staging slot `k % S` only after the write of chunk k-S completed, or at once
+//!   for a chunk sent inline (its bytes were copied into the work request when posted).
+//! - Writes that need nothing after they are posted (credit words, and data of at most
+//!   [`MAX_INLINE`] bytes, both copied at post time) go unsignaled, at most [`QUIET_MAX`] in a
+//!   row: the completion of a later signaled write (RC completes in order) retires them, and
+//!   the send queue has room for that many and the chunks that hold slots.
+//! - Zero copy (opt-in): while an operation lends a buffer of at least
+//!   `RDMACOMM_ZERO_COPY_MIN` bytes ([`Link::lend`]), it is registered for that operation and
+//!   chunks above [`MAX_INLINE`] posted from it are written straight from it, skipping the
+//!   staging slot; a range is not landed into before the writes reading it completed
+//!   ([`Link::settle`]), and the registration ends with the operation. (Not cached across
+//!   calls: without memory hooks a cache keyed by address would send stale pages after the
+//!   caller frees and reallocates.)
+//! - Registered buffers ([`Link::register`], scoped by `Communicator::with_registered`): the
+//!   same zero-copy path for every chunk above [`MAX_INLINE`] posted from inside one, with no
+//!   registration per operation; at most [`MAX_REGISTERED`] at once.
+//! - Mailboxes: a chunk of at most [`mailbox::MAX_PAYLOAD`] bytes goes instead as a plain inline
+//!   RDMA WRITE into r's 64-byte mailbox `k % S` for w (same credits as slot `k % S`), laid out
+//!   by [`mailbox`]: the payload, w's consumed count, and a tag naming `k`, ending at the
+//!   entry's end. r finds it by reading the tag in memory: no receive work request, no
+//!   completion to poll, and credits ride along as with an immediate. A writer that waits for
+//!   credits also reads them from mailbox chunks that arrived but are not taken yet, as it
+//!   would see an immediate's on polling (measured: docs/DESIGN.md).
+
+mod completions;
+mod layout;
+mod link;
+mod protocol;
+mod setup;
+mod zero_copy;
+
+use crate::config::Config;
+use crate::error::{Error, Peer, Result};
+use crate::transport::bootstrap::{check_tags, Reader, TAG_RDMA};
+use crate::transport::mailbox::{self, ENTRY};
+use crate::transport::op::{self, OpDesc, OpKind, Scope};
+use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
+use crate::transport::rendezvous::{Card, Rendezvous};
+use crate::transport::watch::Watch;
+use crate::transport::{copy_chunk, Link};
+use crate::verbs::queue::MAX_INLINE;
+use crate::verbs::{
+    self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, LentRegion, RcQueuePair,
+    RegisteredBuffer, RetryPolicy, Sge,
+};
+use layout::Layout;
+use protocol::FREE_AT_POST;
+use sideway::ibverbs::device_context::{DeviceContext, PortState};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::QueuePairState;
+use std::collections::VecDeque;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Idle time spent spinning, then yielding, before napping.
+const SPIN: Duration = Duration::from_micros(100);
+const YIELD: Duration = Duration::from_millis(2);
+const KIND_DATA: u64 = 0;
+const KIND_CREDIT: u64 = 1;
+const KIND_RECV: u64 = 2;
+const KIND_PROBE: u64 = 3;
+/// Most unsignaled writes in a row (each signaled completion costs the device a completion
+/// entry and the poller a read).
+pub const QUIET_MAX: u32 = 8;
+/// Most buffers registered at once with one communicator ([`Link::register`]).
+pub const MAX_REGISTERED: usize = 64;
+/// `lens` of a slot that holds no arrived chunk.
+const EMPTY: u32 = u32::MAX;
+
+fn wr_id(kind: u64, peer: usize, index: u64) -> u64 {
+    (kind << 62) | ((peer as u64) << 48) | (index & 0xffff_ffff_ffff)
+}
+
+/// The remote half of a link: where to write on the peer.
+#[derive(Debug, Clone, Copy, Default)]
+struct Remote {
+    addr: u64,
+    rkey: u32,
+}
+
+struct PeerState {
+    qp: RcQueuePair,
+    remote: Remote,
+    /// Chunks posted to this peer.
+    sent: u64,
+    /// Data writes completed.
+    send_done: u64,
+    /// WRs posted on this QP, and completed (all WRs before a completed signaled one are done).
+    wr_posted: u64,
+    wr_done: u64,
+    /// Unsignaled WRs posted since the last signaled one.
+    unsignaled: u32,
+    /// The WR number of each chunk in flight, by slot (to retire unsignaled ones).
+    chunk_wr: Vec<u64>,
+    /// The lowest chunk number the next receive completion from this peer may carry.
+    cq_next: u64,
+    /// Chunks consumed from this peer.
+    consumed: u64,
+    /// The consumed count last reported to the writer.
+    returned: u64,
+    /// This peer's consumed count of our chunks, as its data writes reported it.
+    peer_consumed: u64,
+    /// Length of the chunk that arrived in each slot by WRITE_WITH_IMM and is unconsumed, by
+    /// slot ([`EMPTY`] when none: the chunk is yet to come or comes through the mailbox).
+    lens: Vec<u32>,
+    /// When the outstanding health probe (a zero-byte RDMA write) was posted.
+    probe: Option<Instant>,
+    /// The next chunk posted to this peer is the operation's first to it: it carries the
+    /// operation's descriptor.
+    head_out: bool,
+    /// The next chunk taken from this peer is its first of the operation: it must carry a
+    /// descriptor equal to ours.
+    head_in: bool,
+    /// The numbers of the latest operation that sent to this peer, and that received from it
+    /// (see [`OpDesc::seq`]).
+    seq_out: u64,
+    seq_in: u64,
+}
+
+impl PeerState {
+    /// Advances `send_done` over the chunks, in order, whose staging slots are free: written
+    /// (their WR completed) or sent inline.
+    fn retire_sends(&mut self) {
+        self.send_done = protocol::retired(self.send_done, self.sent, &self.chunk_wr, self.wr_done);
+    }
+}
+
+/// The RDMA transport of one rank. Field order is drop order: QPs before the CQ and the buffer.
+pub struct RdmaTransport {
+    peers: Vec<Option<PeerState>>,
+    /// The buffer the current operation lent for zero-copy sends, registered.
+    lent: Option<LentRegion>,
+    /// Buffers registered across operations ([`Link::register`]), by id.
+    registered: Vec<(u64, LentRegion)>,
+    next_registration: u64,
+    /// Zero-copy writes in flight: (peer, chunk number, source start, source end).
+    zc: VecDeque<(usize, u64, usize, usize)>,
+    /// Smallest buffer worth registering for one operation (0: never).
+    zc_min: usize,
+    cq: CompletionQueue,
+    buf: RegisteredBuffer,
+    _pd: Arc<ProtectionDomain>,
+    _ctx: Arc<DeviceContext>,
+    /// The side channel and the first failure.
+    watch: Watch,
+    events: AsyncEvents,
+    layout: Layout,
+    rank: usize,
+    timeout: Duration,
+    /// How waits spin, yield and nap, and when they time out.
+    pacer: Pacer,
+    device: String,
+    port: u8,
+    /// The operation under way, and its descriptor's bytes (numbered per peer when sent).
+    op: OpDesc,
+    op_wire: [u8; op::WIRE],
+}
+
+impl RdmaTransport {
+    /// Something moved: reset the no-progress clock and the idle streak.
+    fn made_progress(&mut self) {
+        self.pacer.progress();
+    }
+
+    /// Whether our port is ACTIVE (queried from the device).
+    fn port_active(&self) -> bool {
+        self._ctx
+            .query_port(self.port)
+            .is_ok_and(|a| a.port_state() == PortState::Active)
+    }
+
+    /// The device, port and GID in use, in words.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    fn state(&mut self, p: usize) -> &mut PeerState {
+        self.peers[p].as_mut().expect("no link to self")
+    }
+
+    /// Records the first failure, tells the group, and returns it as an error.
+    fn fail(&mut self, p: usize, reason: String) -> Error {
+        self.watch.fail(p, reason)
+    }
+
+    /// This rank failed: tell every peer.
+    pub fn abort(&mut self, reason: String) {
+        self.watch.abort_self(reason);
+    }
+
+    /// Failures learned from the side channel (a peer's abort, a closed connection).
+    fn check_side(&mut self) -> Result<()> {
+        self.watch.poll()
+    }
+
+    /// The side channel and failure record (for the group's addresses).
+    pub(crate) fn watch(&self) -> &Watch {
+        &self.watch
+    }
+
+    /// The side channel and failure record, to record a failure.
+    pub(crate) fn watch_mut(&mut self) -> &mut Watch {
+        &mut self.watch
+    }
+
+    /// Polls completions and the side channel now, without waiting: whether anything happened.
+    pub(crate) fn poll_now(&mut self) -> Result<bool> {
+        self.watch.poll_sometimes()?;
+        let moved = self.poll()?;
+        if moved {
+            self.made_progress();
+        }
+        Ok(moved)
+    }
+
+    /// Something outside this transport moved (the no-progress clock restarts).
+    pub(crate) fn note_progress(&mut self) {
+        self.made_progress();
+    }
+}

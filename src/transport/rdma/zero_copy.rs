@@ -1,0 +1,88 @@
+//! Sends straight from the caller's memory: a buffer lent for one operation, or registered
+//! across calls; no range is landed into before the writes reading it completed.
+
+use super::*;
+
+impl RdmaTransport {
+    /// Forgets the zero-copy writes that completed.
+    pub(super) fn retire_zero_copy(&mut self) {
+        let peers = &self.peers;
+        self.zc
+            .retain(|&(p, k, ..)| peers[p].as_ref().is_some_and(|s| s.send_done <= k));
+    }
+
+    /// Registers `buf` as a source of zero-copy sends (a lending or a registration).
+    pub(super) fn register_source(&self, buf: &[u8]) -> Result<LentRegion> {
+        // SAFETY: the device only reads this memory (sends from it) and the registration pins
+        // its pages while it lives, so a buffer freed too early gets stale bytes sent, never
+        // freed memory touched. Its key is used only while it lives: a lending ends in
+        // release(), a registration in unregister(), both between operations, after finish()
+        // completed their writes (after a failure, a WR still using it fails locally).
+        unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }
+    }
+
+    pub(super) fn lend_source(&mut self, buf: &[u8]) {
+        debug_assert!(self.lent.is_none() && self.zc.is_empty());
+        if self.zc_min == 0
+            || buf.len() < self.zc_min
+            || self.registered.iter().any(|(_, r)| r.contains(buf))
+        {
+            return;
+        }
+        // A failed registration (e.g. the locked-memory limit) only means copying.
+        self.lent = self.register_source(buf).ok();
+    }
+
+    pub(super) unsafe fn register_source_for_calls(&mut self, buf: &[u8]) -> Result<Option<u64>> {
+        if buf.is_empty() {
+            return Ok(None); // nothing to send from (and verbs refuse an empty region)
+        }
+        if self.registered.len() >= MAX_REGISTERED {
+            return Err(Error::InvalidArgument(format!(
+                "{MAX_REGISTERED} buffers are registered with this communicator already: \
+                 register fewer at once (one large buffer can hold several tensors)"
+            )));
+        }
+        let region = self.register_source(buf)?;
+        let id = self.next_registration;
+        self.next_registration += 1;
+        self.registered.push((id, region));
+        Ok(Some(id))
+    }
+
+    pub(super) fn unregister_source(&mut self, id: u64) {
+        self.registered.retain(|(i, _)| *i != id);
+    }
+
+    pub(super) fn settle_range(&mut self, range: &[u8]) -> Result<()> {
+        let (a, b) = (
+            range.as_ptr() as usize,
+            range.as_ptr() as usize + range.len(),
+        );
+        while !self.zc.is_empty() {
+            self.retire_zero_copy();
+            match self.zc.iter().find(|e| e.2 < b && a < e.3) {
+                Some(&(p, ..)) => self.progress(p)?,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn release_sources(&mut self) {
+        self.zc.clear();
+        self.lent = None;
+    }
+
+    pub(super) fn finish_sends(&mut self) -> Result<()> {
+        // Every zero-copy write completes before the caller gets its buffer back.
+        while let Some(&(p, k, ..)) = self.zc.front() {
+            if self.state(p).send_done > k {
+                self.zc.pop_front();
+            } else {
+                self.progress(p)?;
+            }
+        }
+        Ok(())
+    }
+}

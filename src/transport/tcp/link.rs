@@ -1,0 +1,359 @@
+//! The TCP data path: pumping sockets, framing chunks out and in, waiting in poll(2), health.
+
+use super::*;
+
+impl TcpTransport {
+    /// Moves bytes: writes what is queued, reads what has arrived. Returns whether any moved.
+    pub(super) fn pump(&mut self) -> Result<bool> {
+        let mut moved = false;
+        for p in 0..self.n {
+            moved |= self.pump_one(p)?;
+        }
+        Ok(moved)
+    }
+
+    /// [`Self::pump`] for one peer's connection: writes what is queued, then reads straight
+    /// into the receive buffer while the socket has bytes and the buffer has room.
+    pub(super) fn pump_one(&mut self, p: usize) -> Result<bool> {
+        let want = HDR + self.max_chunk;
+        let Some(c) = self.conns[p].as_mut() else {
+            return Ok(false);
+        };
+        let mut moved = false;
+        let mut err = None;
+        while !c.out.is_empty() {
+            match c.sock.write(&c.out.buf[c.out.head..]) {
+                Ok(0) => break,
+                Ok(k) => {
+                    c.out.advance(k);
+                    moved = true;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    err = Some(format!("TCP send failed: {e}"));
+                    break;
+                }
+            }
+        }
+        while err.is_none() && !c.closed && c.direct == Direct::Off {
+            let room = c.inp.room(want);
+            let space = room.len();
+            if space == 0 {
+                break;
+            }
+            match c.sock.read(room) {
+                Ok(0) => c.closed = true,
+                Ok(k) => {
+                    c.inp.end += k;
+                    moved = true;
+                    if k < space {
+                        break; // drained: skip the read that would say EAGAIN
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => err = Some(format!("TCP receive failed: {e}")),
+            }
+        }
+        match err {
+            Some(why) => Err(self.fail(p, why)),
+            None => Ok(moved),
+        }
+    }
+
+    /// Waits up to `d` for any socket to become readable (or writable when output is queued).
+    pub(super) fn wait(&mut self, d: Duration) {
+        self.fds.clear();
+        for c in self.conns.iter().flatten() {
+            self.fds.push(libc::pollfd {
+                fd: c.sock.as_raw_fd(),
+                events: libc::POLLIN | if c.out.is_empty() { 0 } else { libc::POLLOUT },
+                revents: 0,
+            });
+        }
+        // SAFETY: fds is a valid array of pollfd for the duration of the call.
+        unsafe {
+            libc::poll(
+                self.fds.as_mut_ptr(),
+                self.fds.len() as libc::nfds_t,
+                d.as_millis().max(1) as i32,
+            )
+        };
+    }
+
+    /// Whether every peer is still reachable, without blocking.
+    pub fn health(&mut self) -> Result<()> {
+        self.check_side()?;
+        self.pump()?;
+        for p in 0..self.n {
+            if self.conns[p].as_ref().is_some_and(|c| c.closed) {
+                return Err(self.fail(p, "its data connection closed".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Link for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.n
+    }
+
+    fn peer(&self, rank: usize) -> Peer {
+        self.watch.peer(rank)
+    }
+
+    fn max_chunk(&self) -> usize {
+        self.max_chunk
+    }
+
+    fn medium(&self) -> crate::transport::Medium {
+        crate::transport::Medium::Tcp
+    }
+
+    fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
+        if !self.conns[p]
+            .as_ref()
+            .expect("no link to self")
+            .out
+            .is_empty()
+        {
+            self.pump_one(p)?;
+        }
+        let c = self.conns[p].as_mut().expect("no link to self");
+        if !c.out.is_empty() {
+            return Ok(false);
+        }
+        self.pacer.progress();
+        let mut header = [0u8; HDR];
+        header[..4].copy_from_slice(&(data.len() as u32).to_le_bytes());
+        header[OP_AT..OP_AT + op::WIRE].copy_from_slice(&OpDesc::numbered(self.op_wire, c.seq_out));
+        let parts = [&header[..], data, &PAD[..pad(data.len())]];
+        let mut done = 0;
+        // Write straight from the caller's buffer; only what the socket does not take now is
+        // copied.
+        let iov = parts.map(IoSlice::new);
+        match c.sock.write_vectored(&iov) {
+            Ok(k) => done = k,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+            Err(e) => return Err(self.fail(p, format!("TCP send failed: {e}"))),
+        }
+        if done < parts.iter().map(|x| x.len()).sum() {
+            c.out.keep_rest(&parts, done);
+        }
+        Ok(true)
+    }
+
+    fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        let max = self.max_chunk;
+        let c = self.conns[p].as_mut().expect("no link to self");
+        match c.direct {
+            Direct::Off => {}
+            Direct::Armed => c.direct = Direct::Off,
+            Direct::Placing { .. } => {
+                return Err(Error::InvalidArgument(format!(
+                    "a chunk from rank {p} is half placed by try_take_into: finish it first"
+                )))
+            }
+        }
+        let len = match c.inp.next_len(max) {
+            Ok(Some(len)) => len,
+            Ok(None) => return Ok(false),
+            Err(why) => return Err(self.fail(p, why)),
+        };
+        self.check_op(p)?;
+        let c = self.conns[p].as_mut().expect("present");
+        let avail = c.inp.pending();
+        let frame = HDR + len + pad(len);
+        if avail.len() < frame {
+            return Ok(false);
+        }
+        f(&avail[HDR..HDR + len])?;
+        c.inp.consume(frame);
+        self.pacer.progress();
+        Ok(true)
+    }
+
+    fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        let max = self.max_chunk;
+        let c = self.conns[p].as_mut().expect("no link to self");
+        let mut err = None;
+        // The frame's zero padding after the payload, read and dropped.
+        let mut sink = [0u8; 64];
+        let tail = pad(dst.len());
+        // Payload and padding bytes read into place together with the header.
+        let mut early = 0;
+        if let Direct::Off | Direct::Armed = c.direct {
+            // The header: from the receive buffer; or, when nothing is buffered and the chunk
+            // is large, read in one readv with as much payload (and padding) as has arrived,
+            // straight into place (a header that then disagrees with `dst` is an error either
+            // way); or read with at most 4 KiB of payload (all of a small chunk in one read).
+            let have = c.inp.pending().len();
+            if have < HDR && !c.closed {
+                let room = c.inp.room(HDR + max);
+                // Only once this operation's descriptor from p was checked: no byte of a
+                // mismatched operation may land in the caller's buffer.
+                let vectored =
+                    have == 0 && c.verified && dst.len() > DIRECT_PEEK && room.len() >= HDR;
+                let got = if vectored {
+                    let (head, _) = room.split_at_mut(HDR);
+                    let mut iov = [
+                        IoSliceMut::new(head),
+                        IoSliceMut::new(dst),
+                        IoSliceMut::new(&mut sink[..tail]),
+                    ];
+                    c.sock.read_vectored(&mut iov)
+                } else {
+                    let n = (HDR + DIRECT_PEEK - have).min(room.len());
+                    c.sock.read(&mut room[..n])
+                };
+                match got {
+                    Ok(0) => c.closed = true,
+                    Ok(k) if vectored => {
+                        c.inp.end += k.min(HDR);
+                        early = k.saturating_sub(HDR);
+                    }
+                    Ok(k) => c.inp.end += k,
+                    Err(e)
+                        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                    Err(e) => err = Some(format!("TCP receive failed: {e}")),
+                }
+            }
+            if let Some(why) = err {
+                return Err(self.fail(p, why));
+            }
+            let c = self.conns[p].as_mut().expect("present");
+            let len = match c.inp.next_len(max) {
+                Ok(Some(len)) => len,
+                Ok(None) => {
+                    c.direct = Direct::Armed;
+                    return Ok(false);
+                }
+                Err(why) => return Err(self.fail(p, why)),
+            };
+            self.check_op(p)?;
+            let c = self.conns[p].as_mut().expect("present");
+            let avail = c.inp.pending();
+            if len != dst.len() {
+                c.direct = Direct::Off;
+                return Err(Error::length_mismatch(len, dst.len(), p));
+            }
+            // What already sits in the receive buffer is copied (its padding dropped); the
+            // rest is read in place.
+            let k = (avail.len() - HDR).min(len + tail);
+            let copied = k.min(len);
+            crate::copy::copy(&mut dst[..copied], &avail[HDR..HDR + copied]);
+            c.inp.consume(HDR + k);
+            c.direct = Direct::Placing {
+                placed: k + early,
+                len,
+            };
+        }
+        let c = self.conns[p].as_mut().expect("present");
+        let Direct::Placing { mut placed, len } = c.direct else {
+            unreachable!("placing");
+        };
+        if len != dst.len() {
+            return Err(Error::length_mismatch(len, dst.len(), p));
+        }
+        let was = placed;
+        let frame = len + tail;
+        while placed < frame && !c.closed {
+            let got = if placed < len {
+                let mut iov = [
+                    IoSliceMut::new(&mut dst[placed..]),
+                    IoSliceMut::new(&mut sink[..tail]),
+                ];
+                c.sock.read_vectored(&mut iov)
+            } else {
+                c.sock.read(&mut sink[placed - len..tail])
+            };
+            match got {
+                Ok(0) => c.closed = true,
+                Ok(k) => placed += k,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    err = Some(format!("TCP receive failed: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(why) = err {
+            return Err(self.fail(p, why));
+        }
+        if placed > was {
+            self.pacer.progress();
+        }
+        let c = self.conns[p].as_mut().expect("present");
+        if placed < frame {
+            c.direct = Direct::Placing { placed, len };
+            return Ok(false);
+        }
+        c.direct = Direct::Off;
+        self.pacer.progress();
+        Ok(true)
+    }
+
+    fn progress(&mut self, waiting_on: usize) -> Result<()> {
+        self.watch.waiting_on(Some(waiting_on));
+        self.watch.poll_sometimes()?;
+        if self.pump()? {
+            self.pacer.progress();
+            return Ok(());
+        }
+        if self.conns[waiting_on]
+            .as_ref()
+            .is_some_and(|c| c.closed && c.inp.pending().len() < HDR)
+        {
+            return Err(self.fail(waiting_on, "its data connection closed".into()));
+        }
+        // Spin briefly (not at all when more local ranks than cores share the CPU), then yield
+        // the core to whichever local rank has work, and only after 200 us of idleness block in
+        // poll(2), which wakes as soon as data arrives: no core burnt on a long wait.
+        match self.pacer.idle() {
+            Wait::Spin => std::hint::spin_loop(),
+            Wait::Yield => std::thread::yield_now(),
+            Wait::BackOff => {
+                self.watch.poll()?;
+                self.wait(Duration::from_millis(1));
+            }
+            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
+        }
+        Ok(())
+    }
+
+    fn start(&mut self, op: &OpDesc, scope: Scope) {
+        self.op = *op;
+        self.watch.waiting_on(None);
+        self.op_wire = op.encode();
+        for (p, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c.as_mut() else { continue };
+            if scope.counts(p, true) {
+                c.seq_out = c.seq_out.wrapping_add(1);
+            }
+            if scope.counts(p, false) {
+                c.seq_in = c.seq_in.wrapping_add(1);
+                c.verified = false;
+            }
+        }
+    }
+
+    fn begin(&mut self) {
+        self.pacer.begin();
+        for c in self.conns.iter_mut().flatten() {
+            if c.direct == Direct::Armed {
+                c.direct = Direct::Off;
+            }
+        }
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.flush()
+    }
+}
