@@ -61,26 +61,40 @@ fn rank_body() {
         .unwrap()
     };
     let (mut sent, mut got) = (false, None);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !(sent && got.is_some()) {
-        assert!(
-            Instant::now() < deadline,
-            "rank {rank}: no completion within 60 s"
+    let mut take = |c: verbs::Completion| {
+        assert_eq!(
+            c.status,
+            0,
+            "rank {rank}: completion failed: {}",
+            verbs::status_str(c.status)
         );
-        cq.poll(|c| {
-            assert_eq!(
-                c.status,
-                0,
-                "rank {rank}: completion failed: {}",
-                verbs::status_str(c.status)
+        match c.wr_id {
+            1 => sent = true,
+            77 => got = Some((c.imm, c.byte_len)),
+            other => panic!("unexpected wr_id {other}"),
+        }
+    };
+    // Waits sleep on the completion channel: a completion must wake them long before the
+    // 10 s a sleep may last (a missing event would show as a 10 s stall).
+    let t0 = Instant::now();
+    let mut done = 0;
+    while done < 2 {
+        let mut n = cq.poll(&mut take).unwrap();
+        if n == 0 {
+            assert!(
+                cq.arm().unwrap(),
+                "rank {rank}: the CQ has no completion channel"
             );
-            match c.wr_id {
-                1 => sent = true,
-                77 => got = Some((c.imm, c.byte_len)),
-                other => panic!("unexpected wr_id {other}"),
+            n = cq.poll(&mut take).unwrap();
+            if n == 0 {
+                cq.block(Duration::from_secs(10)).unwrap();
             }
-        })
-        .unwrap();
+        }
+        done += n;
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "rank {rank}: completions not seen within 5 s (events not delivered?)"
+        );
     }
     let (got_imm, got_len) = got.unwrap();
     let peer = 1 - rank;

@@ -3,11 +3,12 @@
 use crate::error::{Error, Result};
 use crate::verbs::device::Selected;
 use rdma_mummy_sys::{
-    ibv_poll_cq, ibv_post_recv, ibv_post_send, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge,
-    ibv_wc, ibv_wr_opcode, rdma_t,
+    ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_poll_cq, ibv_post_recv, ibv_post_send,
+    ibv_recv_wr, ibv_req_notify_cq, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode,
+    rdma_t,
 };
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue as _};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
@@ -15,7 +16,9 @@ use sideway::ibverbs::queue_pair::{
     QueuePairState,
 };
 use sideway::ibverbs::AccessFlags;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// One work completion, copied out of the CQ.
 #[derive(Debug, Clone, Copy)]
@@ -35,25 +38,95 @@ pub struct Completion {
 pub struct CompletionQueue {
     cq: Arc<BasicCompletionQueue>,
     wcs: Vec<ibv_wc>,
+    /// Where this CQ's events arrive (none where the device gave no channel: waits nap).
+    channel: Option<Arc<CompletionChannel>>,
+    /// An event was asked for and has not come.
+    armed: bool,
 }
 
 impl CompletionQueue {
     /// Creates a CQ with room for `depth` completions.
     pub fn new(ctx: &Arc<DeviceContext>, depth: u32) -> Result<Self> {
-        let cq = ctx
-            .create_cq_builder()
-            .setup_cqe(depth)
-            .build()
-            .map_err(|e| Error::Verbs {
-                op: "create completion queue",
-                detail: e.to_string(),
-                source: Some(Box::new(e)),
-            })?;
+        // A non-blocking channel, so that a wait for its event is a bounded poll(2).
+        let channel = CompletionChannel::new(ctx)
+            .ok()
+            .filter(|c| c.set_nonblocking(true).is_ok());
+        let mut builder = ctx.create_cq_builder();
+        builder.setup_cqe(depth);
+        if let Some(c) = &channel {
+            builder.setup_comp_channel(c, 0);
+        }
+        let cq = builder.build().map_err(|e| Error::Verbs {
+            op: "create completion queue",
+            detail: e.to_string(),
+            source: Some(Box::new(e)),
+        })?;
         // SAFETY: ibv_wc is plain old data; zero is a valid bit pattern.
         let wcs = (0..64)
             .map(|_| unsafe { std::mem::zeroed::<ibv_wc>() })
             .collect();
-        Ok(CompletionQueue { cq, wcs })
+        Ok(CompletionQueue {
+            cq,
+            wcs,
+            channel,
+            armed: false,
+        })
+    }
+
+    /// Asks for an event at the next completion; whether this CQ has events. Poll once more
+    /// before [`CompletionQueue::block`]: a completion that came before the request raises none.
+    pub fn arm(&mut self) -> Result<bool> {
+        if self.channel.is_none() {
+            return Ok(false);
+        }
+        if !self.armed {
+            // SAFETY: the CQ is alive (we hold its Arc) and has a completion channel.
+            let rc = unsafe { ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+            if rc != 0 {
+                return Err(Error::Verbs {
+                    op: "request a completion event",
+                    detail: std::io::Error::from_raw_os_error(rc).to_string(),
+                    source: None,
+                });
+            }
+            self.armed = true;
+        }
+        Ok(true)
+    }
+
+    /// Sleeps until the armed CQ's event or `limit` (just `limit` without a channel); whether
+    /// an event came (it is acknowledged here, so the CQ can be destroyed at any time).
+    pub fn block(&mut self, limit: Duration) -> Result<bool> {
+        let Some(ch) = &self.channel else {
+            std::thread::sleep(limit);
+            return Ok(false);
+        };
+        let mut pfd = libc::pollfd {
+            fd: ch.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: limit.as_secs() as libc::time_t,
+            tv_nsec: limit.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: one valid pollfd and a valid timeout; no signal mask.
+        let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        if n <= 0 {
+            return Ok(false);
+        }
+        let mut cq: *mut ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the channel is alive and non-blocking (so this cannot block); the out
+        // pointers are valid.
+        let rc = unsafe { ibv_get_cq_event(ch.comp_channel().as_ptr(), &mut cq, &mut ctx) };
+        if rc != 0 {
+            return Ok(false);
+        }
+        // SAFETY: `cq` is the CQ the event was for (ours), alive; one event to acknowledge.
+        unsafe { ibv_ack_cq_events(cq, 1) };
+        self.armed = false;
+        Ok(true)
     }
 
     /// The underlying CQ, for attaching QPs.

@@ -92,6 +92,18 @@ impl RdmaTransport {
         fence(Ordering::Acquire);
         v
     }
+
+    /// Sleeps on the completion channel until an event or the nap's end (see [`MIN_NAP`]).
+    pub(super) fn nap(&mut self) -> Result<()> {
+        // A completion that came before the request raised no event: look once more first.
+        if self.cq.arm()? && self.poll()? {
+            self.made_progress();
+            return Ok(());
+        }
+        self.cq.block(self.nap)?;
+        self.nap = (self.nap * 2).min(MAX_NAP);
+        Ok(())
+    }
 }
 
 impl Link for RdmaTransport {
@@ -356,7 +368,7 @@ impl Link for RdmaTransport {
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
                 self.watch.poll()?;
-                std::thread::sleep(Duration::from_micros(50));
+                self.nap()?;
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
         }

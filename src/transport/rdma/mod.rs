@@ -64,6 +64,11 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A back-off sleeps until a completion's event, or this long at first, twice as long each
+/// idle round after up to [`MAX_NAP`]: mailbox chunks and credit words land in memory without
+/// an event, so the nap bounds how late they are seen.
+const MIN_NAP: Duration = Duration::from_micros(50);
+const MAX_NAP: Duration = Duration::from_millis(1);
 /// Idle time spent spinning, then yielding, before napping.
 const SPIN: Duration = Duration::from_micros(100);
 const YIELD: Duration = Duration::from_millis(2);
@@ -161,6 +166,8 @@ pub struct RdmaTransport {
     timeout: Duration,
     /// How waits spin, yield and nap, and when they time out.
     pacer: Pacer,
+    /// The next back-off's longest sleep ([`MIN_NAP`] doubling to [`MAX_NAP`] while idle).
+    nap: Duration,
     device: String,
     port: u8,
     /// The operation under way, and its descriptor's bytes (numbered per peer when sent).
@@ -172,6 +179,7 @@ impl RdmaTransport {
     /// Something moved: reset the no-progress clock and the idle streak.
     fn made_progress(&mut self) {
         self.pacer.progress();
+        self.nap = MIN_NAP;
     }
 
     /// Whether our port is ACTIVE (queried from the device).

@@ -149,6 +149,7 @@ impl RdmaTransport {
             rank: cfg.rank,
             timeout: cfg.timeout,
             pacer,
+            nap: MIN_NAP,
             device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
             port: sel.port,
             op: OpDesc::new(OpKind::Barrier, 0),
