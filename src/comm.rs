@@ -14,7 +14,7 @@ use crate::transport::rendezvous::Card;
 use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -41,12 +41,47 @@ pub(crate) fn this_thread() -> u64 {
     ID.with(|id| *id)
 }
 
-/// The non-blocking operations of a scope not yet finished, and the callers waiting for none
-/// (a wake-up is a system call: made only for a waiter).
+/// The non-blocking operations of a scope not yet finished, and the callers waiting for none.
+/// Counted without a lock (a blocking call outside a scope reads one atomic); a wake-up, a
+/// system call, is made only for a waiter.
 #[derive(Debug, Default)]
 pub(crate) struct Started {
-    pub(crate) count: usize,
-    pub(crate) waiting: usize,
+    count: AtomicUsize,
+    waiting: AtomicUsize,
+    lock: Mutex<()>,
+    drained: Condvar,
+}
+
+impl Started {
+    /// One more operation started.
+    pub(crate) fn add(&self) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// One finished: wakes the callers waiting for none, if it was the last.
+    pub(crate) fn done(&self) {
+        // SeqCst on both sides: a waiter that registered before our decrement is seen here, or
+        // it sees the count at zero itself.
+        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 && self.waiting.load(Ordering::SeqCst) > 0
+        {
+            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.drained.notify_all();
+        }
+    }
+
+    /// Until no started operation is unfinished.
+    fn wait_none(&self) {
+        if self.count.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.count.load(Ordering::SeqCst) > 0 {
+            g = self.drained.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(g);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
@@ -72,9 +107,7 @@ pub struct Comm {
     /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
     pub(crate) executor: AtomicU64,
     /// Non-blocking operations started and not yet finished; a blocking one waits for none.
-    pub(crate) pending: Mutex<Started>,
-    /// Signalled when `pending` drops to zero while a caller waits for that.
-    pub(crate) drained: Condvar,
+    pub(crate) pending: Started,
     algo: Mutex<Algo>,
     /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
     /// out once: the hierarchical all_reduce needs it on every call).
@@ -125,8 +158,7 @@ impl Comm {
             abort_request,
             me,
             executor: AtomicU64::new(0),
-            pending: Mutex::new(Started::default()),
-            drained: Condvar::new(),
+            pending: Started::default(),
             rank: cfg.rank,
             size: cfg.world_size,
             inner: Mutex::new(Inner {
@@ -410,12 +442,7 @@ impl Comm {
         if crate::overlap::in_job() {
             return;
         }
-        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        while p.count > 0 {
-            p.waiting += 1;
-            p = self.drained.wait(p).unwrap_or_else(|e| e.into_inner());
-            p.waiting -= 1;
-        }
+        self.pending.wait_none();
     }
 
     fn poison(&self, e: &Error) {

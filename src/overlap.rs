@@ -74,11 +74,7 @@ where
                 .get_or_insert_with(|| e.to_string());
         }
         self.slot.put(r);
-        let mut p = comm.pending.lock().unwrap_or_else(|e| e.into_inner());
-        p.count -= 1;
-        if p.count == 0 && p.waiting > 0 {
-            comm.drained.notify_all();
-        }
+        comm.pending.done();
     }
 }
 
@@ -427,11 +423,7 @@ impl<'env> Overlap<'env> {
                 cv: Condvar::new(),
             },
         });
-        self.comm
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .count += 1;
+        self.comm.pending.add();
         self.queue.push(cell.clone());
         Ok(Pending {
             op: cell,
