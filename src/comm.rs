@@ -112,6 +112,8 @@ pub struct Comm {
     /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
     /// out once: the hierarchical all_reduce needs it on every call).
     layout: Option<hier::Layout>,
+    /// What the link moves bytes over (fixed for its life; `None` alone).
+    medium: Option<crate::transport::Medium>,
     cfg: Config,
     /// The thread whose operations this communicator runs ([`this_thread`]).
     owner: AtomicU64,
@@ -146,6 +148,7 @@ impl Comm {
             .as_ref()
             .and_then(|l| l.hosts().and_then(|h| hier::Layout::of(h, l.rank())));
         let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
+        let medium = link.as_ref().map(|l| l.medium());
         let me = link.as_ref().map_or(
             Peer {
                 rank: cfg.rank,
@@ -155,6 +158,7 @@ impl Comm {
         );
         Comm {
             layout,
+            medium,
             abort_request,
             me,
             executor: AtomicU64::new(0),
@@ -802,8 +806,8 @@ impl Communicator for Comm {
         if self.size == 1 {
             return self.alone("reduce");
         }
-        let medium = self.lock().link.as_ref().map(|l| l.medium());
-        let tree = self.size == 2 || data.len() <= tuning::reduce_tree_max(medium.expect("a link"));
+        let medium = self.medium.expect("a link beyond a world of one");
+        let tree = self.size == 2 || data.len() <= tuning::reduce_tree_max(medium);
         let desc = OpDesc {
             dtype: Some(dtype),
             reduce: Some(op),
