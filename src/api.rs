@@ -305,7 +305,7 @@ pub(crate) fn split_blocks<'a>(
     buf: &'a mut [u8],
     offs: &[usize],
     skip: usize,
-) -> (crate::collectives::rooted::Blocks<'a>, &'a mut [u8]) {
+) -> (crate::collectives::rooted::BlockList<'a>, &'a mut [u8]) {
     let (v, own) =
         crate::collectives::rooted::blocks(buf, offs.windows(2).map(|w| w[1] - w[0]), skip);
     (v, own.unwrap_or_default())

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 struct Inner {
     /// None for a world of one.
     link: Option<Box<dyn Transport>>,
-    scratch: Vec<u8>,
+    scratch: crate::collectives::Scratch,
 }
 
 pub use crate::collectives::{Algo, DOUBLING_MAX_BYTES};
@@ -167,7 +167,7 @@ impl Comm {
             size: cfg.world_size,
             inner: Mutex::new(Inner {
                 link,
-                scratch: Vec::new(),
+                scratch: Default::default(),
             }),
             poisoned: Mutex::new(None),
             is_poisoned: AtomicBool::new(false),
@@ -401,7 +401,7 @@ impl Comm {
         &self,
         desc: OpDesc,
         scope: Scope,
-        f: impl FnOnce(&mut dyn Link, &mut Vec<u8>) -> Result<T>,
+        f: impl FnOnce(&mut dyn Link, &mut crate::collectives::Scratch) -> Result<T>,
     ) -> Result<T> {
         self.check_thread(&desc)?;
         self.wait_started_ones();
@@ -769,14 +769,14 @@ impl Communicator for Comm {
             return Ok(());
         }
         let block = input.len() / self.size;
-        let offs: Vec<usize> = (0..=self.size).map(|q| q * block).collect();
         let pairwise = block >= tuning::all_to_all_pairwise_min();
         let desc = OpDesc {
             algo: u8::from(pairwise),
             ..OpDesc::new(OpKind::AllToAll, block)
         };
-        self.with_link(desc, Scope::All, |l, _| {
-            rooted::all_to_all(l, input, &offs, output, &offs, pairwise)
+        self.with_link(desc, Scope::All, |l, scratch| {
+            let at = rooted::BlockAt::Equal(block);
+            rooted::all_to_all(l, input, at, output, at, pairwise, &mut scratch.counters)
         })
     }
 
@@ -795,9 +795,23 @@ impl Communicator for Comm {
             return Ok(());
         }
         // Lengths differ by rank, so the choice is all at once (each rank knows only its own).
-        self.with_link(OpDesc::new(OpKind::AllToAllV, 0), Scope::All, |l, _| {
-            rooted::all_to_all(l, input, &so, output, &ro, false)
-        })
+        self.with_link(
+            OpDesc::new(OpKind::AllToAllV, 0),
+            Scope::All,
+            |l, scratch| {
+                let (send_at, recv_at) =
+                    (rooted::BlockAt::Listed(&so), rooted::BlockAt::Listed(&ro));
+                rooted::all_to_all(
+                    l,
+                    input,
+                    send_at,
+                    output,
+                    recv_at,
+                    false,
+                    &mut scratch.counters,
+                )
+            },
+        )
     }
 
     fn reduce(&self, root: usize, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
@@ -835,8 +849,8 @@ impl Communicator for Comm {
             root,
             ..OpDesc::new(OpKind::Gather, input.len())
         };
-        self.with_link(desc, Scope::All, |l, _| {
-            rooted::gather(l, root, input, output)
+        self.with_link(desc, Scope::All, |l, scratch| {
+            rooted::gather(l, root, input, output, &mut scratch.counters)
         })
     }
 
@@ -851,8 +865,8 @@ impl Communicator for Comm {
             root,
             ..OpDesc::new(OpKind::Scatter, output.len())
         };
-        self.with_link(desc, Scope::All, |l, _| {
-            rooted::scatter(l, root, input, output)
+        self.with_link(desc, Scope::All, |l, scratch| {
+            rooted::scatter(l, root, input, output, &mut scratch.counters)
         })
     }
 
@@ -901,6 +915,20 @@ impl Communicator for Comm {
         })
     }
 
+    fn sendrecv(&self, dst: usize, send: &[u8], src: usize, recv: &mut [u8]) -> Result<()> {
+        check_peer("send", self.rank, self.size, dst)?;
+        check_peer("recv", self.rank, self.size, src)?;
+        // A batch of these two (what the other rank may call), without a batch's lists.
+        let (to, from) = ([dst], [src]);
+        let scope = Scope::Peers {
+            to: &to,
+            from: &from,
+        };
+        self.with_link(OpDesc::new(OpKind::Batch, 0), scope, |l, scratch| {
+            exchange::exchange_with(l, &[(dst, send)], &mut [(src, recv)], &mut scratch.counters)
+        })
+    }
+
     fn batch(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         check_batch(self.rank, self.size, ops)?;
         if ops.is_empty() {
@@ -922,7 +950,7 @@ impl Communicator for Comm {
             to: &to,
             from: &from,
         };
-        self.with_link(OpDesc::new(OpKind::Batch, 0), scope, |l, _| {
+        self.with_link(OpDesc::new(OpKind::Batch, 0), scope, |l, scratch| {
             let mut sends: Vec<(usize, &[u8])> = Vec::new();
             let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
             for op in ops.iter_mut() {
@@ -931,7 +959,7 @@ impl Communicator for Comm {
                     P2p::Recv { peer, data } => recvs.push((*peer, data)),
                 }
             }
-            exchange::exchange(l, &sends, &mut recvs)
+            exchange::exchange_with(l, &sends, &mut recvs, &mut scratch.counters)
         })
     }
 

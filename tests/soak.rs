@@ -270,7 +270,9 @@ fn chunk_counters_wrap_past_16_bits() {
 }
 
 /// One round of every operation with fixed sizes, inputs restored from `init` first: small and
-/// 1 MiB all_reduce, all_gather, sum_scatter, broadcast, a ring of sends, a barrier.
+/// 1 MiB all_reduce, all_gather, sum_scatter, broadcast, a ring of sends, a barrier, and the
+/// exchange-based ones: all_to_all, gather and scatter at rank 0, reduce to rank 0 (tree and,
+/// at 1 MiB, reduce-scatter and gather), a ring of sendrecv.
 struct Round {
     init: Vec<u8>,
     small: Vec<u8>,
@@ -280,7 +282,22 @@ struct Round {
     bcast: Vec<u8>,
     msg: Vec<u8>,
     got: Vec<u8>,
+    a2a_in: Vec<u8>,
+    a2a_out: Vec<u8>,
+    gat_out: Vec<u8>,
+    sca_in: Vec<u8>,
+    sca_out: Vec<u8>,
+    red_small: Vec<u8>,
+    red_large: Vec<u8>,
+    sr_got: Vec<u8>,
 }
+
+/// Byte i of what rank `from` sends rank `to` in the exchange-based operations.
+fn pat(from: usize, to: usize, i: usize) -> u8 {
+    (from * 31 + to * 7 + i) as u8
+}
+
+const BLOCK: usize = 4096;
 
 impl Round {
     fn new(r: usize, n: usize) -> Round {
@@ -294,6 +311,22 @@ impl Round {
             bcast: vec![0; 64 << 10],
             msg: vec![r as u8; 4096],
             got: vec![0; 4096],
+            a2a_in: (0..n)
+                .flat_map(|q| (0..BLOCK).map(move |i| pat(r, q, i)))
+                .collect(),
+            a2a_out: vec![0; n * BLOCK],
+            gat_out: vec![0; if r == 0 { n * BLOCK } else { 0 }],
+            sca_in: if r == 0 {
+                (0..n)
+                    .flat_map(|q| (0..BLOCK).map(move |i| pat(0, q, i)))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            sca_out: vec![0; BLOCK],
+            red_small: init[..8].to_vec(),
+            red_large: init.clone(),
+            sr_got: vec![0; BLOCK],
             init,
         }
     }
@@ -324,6 +357,23 @@ impl Round {
             c.send(next, &self.msg).unwrap();
         }
         c.barrier().unwrap();
+        c.all_to_all(&self.a2a_in, &mut self.a2a_out).unwrap();
+        c.gather(0, &self.a2a_in[..BLOCK], &mut self.gat_out)
+            .unwrap();
+        c.scatter(0, &self.sca_in, &mut self.sca_out).unwrap();
+        self.red_small.copy_from_slice(&self.init[..8]);
+        self.red_large.copy_from_slice(&self.init);
+        c.reduce(0, AllReduce::Sum, DType::f32, &mut self.red_small)
+            .unwrap();
+        c.reduce(0, AllReduce::Sum, DType::f32, &mut self.red_large)
+            .unwrap();
+        c.sendrecv(
+            next,
+            &self.a2a_in[next * BLOCK..(next + 1) * BLOCK],
+            prev,
+            &mut self.sr_got,
+        )
+        .unwrap();
     }
 }
 
@@ -360,8 +410,32 @@ fn hot_path_body() {
         round.got.iter().all(|&b| b == prev as u8),
         "message from rank {prev}"
     );
+    for q in 0..n {
+        let want: Vec<u8> = (0..BLOCK).map(|i| pat(q, r, i)).collect();
+        assert_eq!(
+            &round.a2a_out[q * BLOCK..(q + 1) * BLOCK],
+            &want[..],
+            "all_to_all from {q}"
+        );
+        if r == 0 {
+            let want: Vec<u8> = (0..BLOCK).map(|i| pat(q, 0, i)).collect();
+            assert_eq!(
+                &round.gat_out[q * BLOCK..(q + 1) * BLOCK],
+                &want[..],
+                "gather of {q}"
+            );
+        }
+    }
+    let want: Vec<u8> = (0..BLOCK).map(|i| pat(0, r, i)).collect();
+    assert_eq!(round.sca_out, want, "scatter");
+    if r == 0 {
+        check_all_reduce(DType::f32, AllReduce::Sum, n, &round.red_small).unwrap();
+        check_all_reduce(DType::f32, AllReduce::Sum, n, &round.red_large).unwrap();
+    }
+    let want: Vec<u8> = (0..BLOCK).map(|i| pat(prev, r, i)).collect();
+    assert_eq!(round.sr_got, want, "sendrecv from {prev}");
     println!(
-        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 7 operations",
+        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 13 operations",
         c.device().unwrap_or_default(),
         info.count_total,
         info.bytes_total

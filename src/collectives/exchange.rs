@@ -17,32 +17,48 @@ fn piece(i: usize, len: usize, max: usize) -> std::ops::Range<usize> {
     (i * max).min(len)..((i + 1) * max).min(len)
 }
 
-/// The messages to one peer (or from it), in order, and how far they have gone.
-struct Lane {
-    peer: usize,
-    msgs: Vec<usize>,
-    /// Index into `msgs` of the message under way, and its next chunk.
-    at: usize,
-    chunk: usize,
+/// The messages of one exchange, by index: each one's peer, and its bytes (a send) or the
+/// buffer it fills (a receive). A peer's messages go in index order.
+pub(crate) trait Plan {
+    /// Messages sent.
+    fn sends(&self) -> usize;
+    /// The peer send `i` goes to.
+    fn send_peer(&self, i: usize) -> usize;
+    /// Send `i`'s bytes.
+    fn send(&self, i: usize) -> &[u8];
+    /// Messages received.
+    fn recvs(&self) -> usize;
+    /// The peer receive `i` comes from.
+    fn recv_peer(&self, i: usize) -> usize;
+    /// The buffer receive `i` fills (exactly).
+    fn recv(&mut self, i: usize) -> &mut [u8];
 }
 
-/// Groups message indices by peer, lanes in the order peers first appear.
-fn lanes(peers: impl Iterator<Item = usize>, n: usize) -> Vec<Lane> {
-    let mut index = vec![usize::MAX; n];
-    let mut out: Vec<Lane> = Vec::new();
-    for (i, p) in peers.enumerate() {
-        if index[p] == usize::MAX {
-            index[p] = out.len();
-            out.push(Lane {
-                peer: p,
-                msgs: Vec::new(),
-                at: 0,
-                chunk: 0,
-            });
-        }
-        out[index[p]].msgs.push(i);
+/// Lists of messages as slices (allocates its per-peer state: for batches and tests).
+struct Lists<'s, 'a, 'b> {
+    sends: &'s [(usize, &'a [u8])],
+    recvs: &'s mut [(usize, &'b mut [u8])],
+}
+
+impl Plan for Lists<'_, '_, '_> {
+    fn sends(&self) -> usize {
+        self.sends.len()
     }
-    out
+    fn send_peer(&self, i: usize) -> usize {
+        self.sends[i].0
+    }
+    fn send(&self, i: usize) -> &[u8] {
+        self.sends[i].1
+    }
+    fn recvs(&self) -> usize {
+        self.recvs.len()
+    }
+    fn recv_peer(&self, i: usize) -> usize {
+        self.recvs[i].0
+    }
+    fn recv(&mut self, i: usize) -> &mut [u8] {
+        self.recvs[i].1
+    }
 }
 
 /// Sends every `(peer, data)` of `sends` and receives into every `(peer, buffer)` of `recvs`
@@ -53,68 +69,110 @@ pub fn exchange(
     sends: &[(usize, &[u8])],
     recvs: &mut [(usize, &mut [u8])],
 ) -> Result<()> {
+    run(link, &mut Lists { sends, recvs }, &mut Vec::new())
+}
+
+/// [`exchange`], keeping its per-peer state in `state` (reused from call to call).
+pub(crate) fn exchange_with(
+    link: &mut dyn Link,
+    sends: &[(usize, &[u8])],
+    recvs: &mut [(usize, &mut [u8])],
+    state: &mut Vec<usize>,
+) -> Result<()> {
+    run(link, &mut Lists { sends, recvs }, state)
+}
+
+/// No message under way.
+const NONE: usize = usize::MAX;
+
+/// Runs `plan`'s messages all at once, keeping per-peer state in `state` (reused from call to
+/// call, so that a repeated exchange allocates nothing): for each peer, the send under way and
+/// its next chunk, then the same for receives.
+pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usize>) -> Result<()> {
     let max = link.max_chunk();
     let n = link.size();
-    let mut out = lanes(sends.iter().map(|s| s.0), n);
-    let mut inn = lanes(recvs.iter().map(|r| r.0), n);
+    state.clear();
+    state.resize(4 * n, NONE);
+    let (out_at, rest) = state.split_at_mut(n);
+    let (out_chunk, rest) = rest.split_at_mut(n);
+    let (in_at, in_chunk) = rest.split_at_mut(n);
+    let (ns, nr) = (plan.sends(), plan.recvs());
+    // Each peer's first message, each way.
+    for i in (0..ns).rev() {
+        let p = plan.send_peer(i);
+        out_at[p] = i;
+        out_chunk[p] = 0;
+    }
+    for i in (0..nr).rev() {
+        let p = plan.recv_peer(i);
+        in_at[p] = i;
+        in_chunk[p] = 0;
+    }
     let one_post = link.takes_return_credits();
     link.begin();
     loop {
         let mut did = false;
         let mut waiting = None;
-        for lane in out.iter_mut().filter(|l| l.at < l.msgs.len()) {
-            // Several chunks per sweep where a take frees nothing a peer waits for.
+        for i in 0..ns {
+            let p = plan.send_peer(i);
+            if out_at[p] != i {
+                continue;
+            }
+            // Several chunks per sweep where a take frees nothing a peer waits for (a
+            // finished message's successor to the same peer comes later in this sweep).
             loop {
-                let data = sends[lane.msgs[lane.at]].1;
-                if !link.try_post(lane.peer, &data[piece(lane.chunk, data.len(), max)])? {
-                    waiting.get_or_insert(lane.peer);
+                let data = plan.send(i);
+                if !link.try_post(p, &data[piece(out_chunk[p], data.len(), max)])? {
+                    waiting.get_or_insert(p);
                     break;
                 }
                 did = true;
-                lane.chunk += 1;
-                if lane.chunk == pieces(data.len(), max) {
-                    lane.at += 1;
-                    lane.chunk = 0;
+                out_chunk[p] += 1;
+                if out_chunk[p] == pieces(data.len(), max) {
+                    out_at[p] = (i + 1..ns)
+                        .find(|&j| plan.send_peer(j) == p)
+                        .unwrap_or(NONE);
+                    out_chunk[p] = 0;
+                    break;
                 }
-                if one_post || lane.at == lane.msgs.len() {
+                if one_post {
                     break;
                 }
             }
         }
-        for lane in inn.iter_mut().filter(|l| l.at < l.msgs.len()) {
-            let buf = &mut *recvs[lane.msgs[lane.at]].1;
+        for i in 0..nr {
+            let p = plan.recv_peer(i);
+            if in_at[p] != i {
+                continue;
+            }
+            let buf = plan.recv(i);
             let total = buf.len();
-            let part = &mut buf[piece(lane.chunk, total, max)];
-            let got = link.try_take_into(lane.peer, part).map_err(|e| match e {
+            let part = &mut buf[piece(in_chunk[p], total, max)];
+            let got = link.try_take_into(p, part).map_err(|e| match e {
                 Error::InvalidArgument(why) => Error::InvalidArgument(format!(
-                    "receive of {total} bytes from rank {}: {why} (the sender's length differs)",
-                    lane.peer
+                    "receive of {total} bytes from rank {p}: {why} (the sender's length differs)"
                 )),
                 e => e,
             })?;
             if got {
                 did = true;
-                lane.chunk += 1;
-                if lane.chunk == pieces(total, max) {
-                    lane.at += 1;
-                    lane.chunk = 0;
+                in_chunk[p] += 1;
+                if in_chunk[p] == pieces(total, max) {
+                    in_at[p] = (i + 1..nr)
+                        .find(|&j| plan.recv_peer(j) == p)
+                        .unwrap_or(NONE);
+                    in_chunk[p] = 0;
                 }
             } else {
-                waiting = Some(lane.peer);
+                waiting = Some(p);
             }
         }
-        let open = |ls: &[Lane]| ls.iter().any(|l| l.at < l.msgs.len());
-        if !open(&out) && !open(&inn) {
+        let open = (0..n).find(|&p| out_at[p] != NONE || in_at[p] != NONE);
+        let Some(first_open) = open else {
             return Ok(());
-        }
+        };
         if !did {
-            let peer = waiting.unwrap_or_else(|| {
-                out.iter()
-                    .chain(inn.iter())
-                    .find(|l| l.at < l.msgs.len())
-                    .map_or(0, |l| l.peer)
-            });
-            link.progress(peer)?;
+            link.progress(waiting.unwrap_or(first_open))?;
         }
     }
 }

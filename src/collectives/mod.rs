@@ -21,6 +21,29 @@ use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
 use crate::transport::Link;
 
+/// Memory an operation reuses from call to call, so that repeated calls allocate nothing: bytes
+/// (copies, partial sums; what it derefs to) and an exchange's per-peer counters.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    /// Bytes.
+    pub bytes: Vec<u8>,
+    /// Counters of [`exchange::run`].
+    pub counters: Vec<usize>,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.bytes
+    }
+}
+
+impl std::ops::DerefMut for Scratch {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.bytes
+    }
+}
+
 /// The all_reduce algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algo {

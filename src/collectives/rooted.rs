@@ -1,9 +1,9 @@
 //! Collectives with a root: reduce to it (a binomial tree for small vectors; a ring
 //! reduce-scatter and a gather of the parts for large ones), gather to it, scatter from it.
 
-use crate::collectives::exchange::exchange;
+use crate::collectives::exchange::{exchange_with, run, Plan};
 use crate::collectives::ring;
-use crate::collectives::take;
+use crate::collectives::{take, Scratch};
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
 use crate::transport::Link;
@@ -64,37 +64,33 @@ pub fn reduce_scatter_gather(
     op: AllReduce,
     dtype: DType,
     data: &mut [u8],
-    scratch: &mut Vec<u8>,
+    scratch: &mut Scratch,
 ) -> Result<()> {
     let (r, n) = (link.rank(), link.size());
     let es = dtype.size();
     let parts = ring::chunks(data.len() / es, n, es);
-    scratch.clear();
-    scratch.extend_from_slice(data);
-    ring::reduce_scatter_in(link, op, dtype, scratch, parts)?;
+    let Scratch { bytes, counters } = scratch;
+    bytes.clear();
+    bytes.extend_from_slice(data);
+    ring::reduce_scatter_in(link, op, dtype, bytes, parts)?;
     let (off, len) = parts.get(r);
     if r != root {
-        return exchange(link, &[(root, &scratch[off..off + len])], &mut []);
+        return exchange_with(link, &[(root, &bytes[off..off + len])], &mut [], counters);
     }
-    data[off..off + len].copy_from_slice(&scratch[off..off + len]);
-    let mut rest: &mut [u8] = data;
-    let mut recvs = Vec::with_capacity(n - 1);
-    let mut at = 0;
-    for q in 0..n {
-        let (o, l) = parts.get(q);
-        let (_, tail) = rest.split_at_mut(o - at);
-        let (mine, tail) = tail.split_at_mut(l);
-        if q != root {
-            recvs.push((q, mine));
-        }
-        rest = tail;
-        at = o + l;
-    }
-    exchange(link, &[], &mut recvs)
+    data[off..off + len].copy_from_slice(&bytes[off..off + len]);
+    let mut plan = Blocks {
+        sent: &[],
+        got: data,
+        at: BlockAt::Parts(parts),
+        root,
+        n,
+        sending: false,
+    };
+    run(link, &mut plan, counters)
 }
 
 /// Blocks of a buffer paired with the rank each goes to or comes from.
-pub(crate) type Blocks<'a> = Vec<(usize, &'a mut [u8])>;
+pub(crate) type BlockList<'a> = Vec<(usize, &'a mut [u8])>;
 
 /// Cuts `buf` into `n` consecutive blocks of `lens[q]` bytes, paired with their rank, but
 /// `skip`'s (whose block goes to `own`, if asked for).
@@ -102,7 +98,7 @@ pub(crate) fn blocks(
     buf: &mut [u8],
     lens: impl Iterator<Item = usize>,
     skip: usize,
-) -> (Blocks<'_>, Option<&mut [u8]>) {
+) -> (BlockList<'_>, Option<&mut [u8]>) {
     let mut out = Vec::new();
     let mut own = None;
     let mut rest = buf;
@@ -118,68 +114,210 @@ pub(crate) fn blocks(
     (out, own)
 }
 
+/// Where block q of a buffer lies.
+#[derive(Clone, Copy)]
+pub enum BlockAt<'a> {
+    /// Blocks of this many bytes each.
+    Equal(usize),
+    /// Block q from `o[q]` to `o[q + 1]`.
+    Listed(&'a [usize]),
+    /// The parts of a ring.
+    Parts(ring::Chunks<'a>),
+}
+
+impl BlockAt<'_> {
+    fn range(&self, q: usize) -> std::ops::Range<usize> {
+        match *self {
+            BlockAt::Equal(b) => q * b..(q + 1) * b,
+            BlockAt::Listed(o) => o[q]..o[q + 1],
+            BlockAt::Parts(p) => {
+                let (o, l) = p.get(q);
+                o..o + l
+            }
+        }
+    }
+}
+
+/// A root's side of a gather (block q from every other rank q into `got`) or of a scatter
+/// (block q of `sent` to every other rank q), in rank order.
+struct Blocks<'s, 'g, 'a> {
+    sent: &'s [u8],
+    got: &'g mut [u8],
+    at: BlockAt<'a>,
+    root: usize,
+    n: usize,
+    sending: bool,
+}
+
+impl Blocks<'_, '_, '_> {
+    /// The i-th rank but the root.
+    fn rank(&self, i: usize) -> usize {
+        if i < self.root {
+            i
+        } else {
+            i + 1
+        }
+    }
+}
+
+impl Plan for Blocks<'_, '_, '_> {
+    fn sends(&self) -> usize {
+        if self.sending {
+            self.n - 1
+        } else {
+            0
+        }
+    }
+    fn send_peer(&self, i: usize) -> usize {
+        self.rank(i)
+    }
+    fn send(&self, i: usize) -> &[u8] {
+        &self.sent[self.at.range(self.rank(i))]
+    }
+    fn recvs(&self) -> usize {
+        if self.sending {
+            0
+        } else {
+            self.n - 1
+        }
+    }
+    fn recv_peer(&self, i: usize) -> usize {
+        self.rank(i)
+    }
+    fn recv(&mut self, i: usize) -> &mut [u8] {
+        let range = self.at.range(self.rank(i));
+        &mut self.got[range]
+    }
+}
+
 /// Every rank's `input` into block q of `output` on `root` (`output` is used on the root only).
-pub fn gather(link: &mut dyn Link, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
+pub fn gather(
+    link: &mut dyn Link,
+    root: usize,
+    input: &[u8],
+    output: &mut [u8],
+    counters: &mut Vec<usize>,
+) -> Result<()> {
     let (r, n) = (link.rank(), link.size());
     if r != root {
-        return exchange(link, &[(root, input)], &mut []);
+        return exchange_with(link, &[(root, input)], &mut [], counters);
     }
-    let (mut recvs, own) = blocks(output, (0..n).map(|_| input.len()), r);
-    crate::copy::copy(own.expect("the root's block"), input);
-    exchange(link, &[], &mut recvs)
+    let len = input.len();
+    crate::copy::copy(&mut output[r * len..(r + 1) * len], input);
+    let mut plan = Blocks {
+        sent: &[],
+        got: output,
+        at: BlockAt::Equal(len),
+        root,
+        n,
+        sending: false,
+    };
+    run(link, &mut plan, counters)
 }
 
 /// Block q of `input` on `root` (used there only) into rank q's `output`.
-pub fn scatter(link: &mut dyn Link, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
+pub fn scatter(
+    link: &mut dyn Link,
+    root: usize,
+    input: &[u8],
+    output: &mut [u8],
+    counters: &mut Vec<usize>,
+) -> Result<()> {
     let (r, n) = (link.rank(), link.size());
     if r != root {
-        return exchange(link, &[], &mut [(root, output)]);
+        return exchange_with(link, &[], &mut [(root, output)], counters);
     }
     let len = output.len();
-    let sends: Vec<(usize, &[u8])> = (0..n)
-        .filter(|&q| q != r)
-        .map(|q| (q, &input[q * len..(q + 1) * len]))
-        .collect();
     crate::copy::copy(output, &input[r * len..(r + 1) * len]);
-    exchange(link, &sends, &mut [])
+    let mut plan = Blocks {
+        sent: input,
+        got: &mut [],
+        at: BlockAt::Equal(len),
+        root,
+        n,
+        sending: true,
+    };
+    run(link, &mut plan, counters)
 }
 
-/// Rank p's block q of `input` (at `send_offs[q]`, `send_offs[q + 1]`) into rank q's block p of
-/// `output` (at `recv_offs[p]`): with every peer at once, starting with the next rank, or
-/// `pairwise`, one step per peer (the k-th next and the k-th previous rank in step k). This
-/// rank's own block must be as long both ways.
+/// An all_to_all's messages: in step k (or, at once, message k - 1), block (r + k) % n of
+/// `input` to rank r + k, and from rank r - k into its block of `output`.
+struct AllToAll<'i, 'o, 'a> {
+    input: &'i [u8],
+    output: &'o mut [u8],
+    send_at: BlockAt<'a>,
+    recv_at: BlockAt<'a>,
+    r: usize,
+    n: usize,
+    /// One step of a pairwise exchange, or every peer at once.
+    step: Option<usize>,
+}
+
+impl AllToAll<'_, '_, '_> {
+    fn k(&self, i: usize) -> usize {
+        self.step.unwrap_or(i + 1)
+    }
+    fn count(&self) -> usize {
+        if self.step.is_some() {
+            1
+        } else {
+            self.n - 1
+        }
+    }
+}
+
+impl Plan for AllToAll<'_, '_, '_> {
+    fn sends(&self) -> usize {
+        self.count()
+    }
+    fn send_peer(&self, i: usize) -> usize {
+        (self.r + self.k(i)) % self.n
+    }
+    fn send(&self, i: usize) -> &[u8] {
+        &self.input[self.send_at.range(self.send_peer(i))]
+    }
+    fn recvs(&self) -> usize {
+        self.count()
+    }
+    fn recv_peer(&self, i: usize) -> usize {
+        (self.r + self.n - self.k(i)) % self.n
+    }
+    fn recv(&mut self, i: usize) -> &mut [u8] {
+        let range = self.recv_at.range(self.recv_peer(i));
+        &mut self.output[range]
+    }
+}
+
+/// Rank p's block q of `input` into rank q's block p of `output`: with every peer at once,
+/// starting with the next rank (receiving from the previous one first), or `pairwise`, one step
+/// per peer (the k-th next and the k-th previous rank in step k). This rank's own block must be
+/// as long both ways. Repeated calls allocate nothing (`counters` is reused).
 pub fn all_to_all(
     link: &mut dyn Link,
     input: &[u8],
-    send_offs: &[usize],
+    send_at: BlockAt<'_>,
     output: &mut [u8],
-    recv_offs: &[usize],
+    recv_at: BlockAt<'_>,
     pairwise: bool,
+    counters: &mut Vec<usize>,
 ) -> Result<()> {
     let (r, n) = (link.rank(), link.size());
-    let peers = (1..n).map(|k| (r + k) % n);
-    let sends: Vec<(usize, &[u8])> = peers
-        .clone()
-        .map(|q| (q, &input[send_offs[q]..send_offs[q + 1]]))
-        .collect();
-    let (recvs, own) = blocks(output, recv_offs.windows(2).map(|w| w[1] - w[0]), r);
-    let own = own.expect("this rank's block");
-    crate::copy::copy(own, &input[send_offs[r]..send_offs[r + 1]]);
-    // Receives in the order the peers send to this rank (from the previous rank first).
-    let mut by_peer: Vec<Option<&mut [u8]>> = (0..n).map(|_| None).collect();
-    for (q, b) in recvs {
-        by_peer[q] = Some(b);
-    }
-    let mut recvs: Vec<(usize, &mut [u8])> = (1..n)
-        .map(|k| (r + n - k) % n)
-        .map(|q| (q, by_peer[q].take().expect("one block per peer")))
-        .collect();
+    crate::copy::copy(&mut output[recv_at.range(r)], &input[send_at.range(r)]);
+    let mut plan = AllToAll {
+        input,
+        output,
+        send_at,
+        recv_at,
+        r,
+        n,
+        step: None,
+    };
     if !pairwise {
-        return exchange(link, &sends, &mut recvs);
+        return run(link, &mut plan, counters);
     }
-    // Step k: to the k-th next rank, from the k-th previous one (one peer each way at a time).
-    for (send, recv) in sends.iter().zip(recvs.iter_mut()) {
-        exchange(link, std::slice::from_ref(send), std::slice::from_mut(recv))?;
+    for k in 1..n {
+        plan.step = Some(k);
+        run(link, &mut plan, counters)?;
     }
     Ok(())
 }

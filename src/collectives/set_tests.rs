@@ -3,6 +3,7 @@
 //! uneven blocks, each result checked against a scalar re-computation.
 
 use super::mem_link::{bytes, f32s, mesh, on_every_rank};
+use super::rooted::BlockAt;
 use super::{exchange, ring, rooted};
 use crate::dtype::{AllReduce, DType};
 use crate::transport::Link as _;
@@ -68,7 +69,7 @@ fn reduce_to_every_root_by_tree_and_by_reduce_scatter() {
                         let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
                             let r = l.rank();
                             let mut d = bytes((0..elems).map(|i| value(r, i)));
-                            let mut scratch = Vec::new();
+                            let mut scratch = crate::collectives::Scratch::default();
                             let (op, t) = (AllReduce::Sum, DType::f32);
                             if tree {
                                 rooted::reduce_tree(l, root, op, t, &mut d, &mut scratch)
@@ -109,7 +110,9 @@ fn gather_and_scatter_at_every_root() {
                         let r = l.rank();
                         let mine: Vec<u8> = (0..len).map(|i| byte(r, root, i)).collect();
                         let mut all = vec![0u8; if r == root { n * len } else { 0 }];
-                        rooted::gather(l, root, &mine, &mut all).unwrap();
+                        // One set of counters for both: reused as a communicator reuses it.
+                        let mut counters = Vec::new();
+                        rooted::gather(l, root, &mine, &mut all, &mut counters).unwrap();
                         let src: Vec<u8> = if r == root {
                             (0..n)
                                 .flat_map(|q| (0..len).map(move |i| byte(root, q, i)))
@@ -118,7 +121,7 @@ fn gather_and_scatter_at_every_root() {
                             Vec::new()
                         };
                         let mut got = vec![0u8; len];
-                        rooted::scatter(l, root, &src, &mut got).unwrap();
+                        rooted::scatter(l, root, &src, &mut got, &mut counters).unwrap();
                         (all, got)
                     });
                     let what = format!("root {root} on {n} ranks, {slots} x {chunk} B, {len} B");
@@ -159,7 +162,18 @@ fn all_to_all_with_equal_uneven_and_empty_blocks() {
                             .flat_map(|q| (0..len(r, q)).map(move |i| byte(r, q, i)))
                             .collect();
                         let mut output = vec![0u8; ro[n]];
-                        rooted::all_to_all(l, &input, &so, &mut output, &ro, pairwise).unwrap();
+                        let (send_at, recv_at) = (BlockAt::Listed(&so), BlockAt::Listed(&ro));
+                        let mut counters = Vec::new();
+                        rooted::all_to_all(
+                            l,
+                            &input,
+                            send_at,
+                            &mut output,
+                            recv_at,
+                            pairwise,
+                            &mut counters,
+                        )
+                        .unwrap();
                         output
                     });
                     for (r, got) in out.iter().enumerate() {
