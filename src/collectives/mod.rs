@@ -27,7 +27,7 @@ use crate::transport::Link;
 pub struct Scratch {
     /// Bytes.
     pub bytes: Vec<u8>,
-    /// Counters of [`exchange::run`].
+    /// An exchange's counters (per peer and direction: the message under way, its next chunk).
     pub counters: Vec<usize>,
 }
 
