@@ -87,24 +87,36 @@ const NONE: usize = usize::MAX;
 
 /// Runs `plan`'s messages all at once, keeping per-peer state in `state` (reused from call to
 /// call, so that a repeated exchange allocates nothing): for each peer, the send under way and
-/// its next chunk, then the same for receives.
+/// its next chunk, then the same for receives. Only the plan's peers' entries are touched, so a
+/// call costs its messages, not the world size.
 pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usize>) -> Result<()> {
     let max = link.max_chunk();
     let n = link.size();
-    state.clear();
-    state.resize(4 * n, NONE);
+    if state.len() < 4 * n {
+        state.resize(4 * n, NONE);
+    }
     let (out_at, rest) = state.split_at_mut(n);
     let (out_chunk, rest) = rest.split_at_mut(n);
-    let (in_at, in_chunk) = rest.split_at_mut(n);
+    let (in_at, rest) = rest.split_at_mut(n);
+    let in_chunk = &mut rest[..n];
     let (ns, nr) = (plan.sends(), plan.recvs());
-    // Each peer's first message, each way.
+    // Each peer's first message, each way; `open` counts the peers and directions under way.
+    for i in 0..ns {
+        out_at[plan.send_peer(i)] = NONE;
+    }
+    for i in 0..nr {
+        in_at[plan.recv_peer(i)] = NONE;
+    }
+    let mut open = 0;
     for i in (0..ns).rev() {
         let p = plan.send_peer(i);
+        open += usize::from(out_at[p] == NONE);
         out_at[p] = i;
         out_chunk[p] = 0;
     }
     for i in (0..nr).rev() {
         let p = plan.recv_peer(i);
+        open += usize::from(in_at[p] == NONE);
         in_at[p] = i;
         in_chunk[p] = 0;
     }
@@ -133,6 +145,7 @@ pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usiz
                         .find(|&j| plan.send_peer(j) == p)
                         .unwrap_or(NONE);
                     out_chunk[p] = 0;
+                    open -= usize::from(out_at[p] == NONE);
                     break;
                 }
                 if one_post {
@@ -162,17 +175,18 @@ pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usiz
                         .find(|&j| plan.recv_peer(j) == p)
                         .unwrap_or(NONE);
                     in_chunk[p] = 0;
+                    open -= usize::from(in_at[p] == NONE);
                 }
             } else {
                 waiting = Some(p);
             }
         }
-        let open = (0..n).find(|&p| out_at[p] != NONE || in_at[p] != NONE);
-        let Some(first_open) = open else {
+        if open == 0 {
             return Ok(());
-        };
+        }
         if !did {
-            link.progress(waiting.unwrap_or(first_open))?;
+            // Every lane under way tried and failed, so `waiting` names one.
+            link.progress(waiting.expect("an open lane that could not move"))?;
         }
     }
 }

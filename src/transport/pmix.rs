@@ -193,7 +193,7 @@ impl Pmix {
     /// `timeout`.
     pub fn fetch(&self, rank: u32, key: &str, timeout: Duration) -> Result<String> {
         let k = CString::new(key).map_err(|_| Error::Bootstrap("a key with NUL".into()))?;
-        let mut of = Proc {
+        let of = Proc {
             nspace: self.me.nspace,
             rank,
         };
@@ -212,7 +212,6 @@ impl Pmix {
         let secs = timeout.as_secs().clamp(1, i32::MAX as u64) as i32;
         info.value.data[0] = u64::from(secs as u32);
         let mut out: *mut Value = std::ptr::null_mut();
-        of.rank = rank;
         // Some servers answer "not found" at once instead of waiting for the put: ask again.
         let deadline = std::time::Instant::now() + timeout;
         let rc = loop {

@@ -127,8 +127,8 @@ impl RdmaTransport {
         side.set_async()?;
         let events = AsyncEvents::new(&ctx)?;
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
-        // than cores), yield up to 2 ms, then nap 50 us at a time: no core burnt on a long
-        // wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
+        // than cores), yield up to 2 ms, then sleep on the completion channel (see `MIN_NAP`):
+        // no core burnt on a long wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
         let crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
         let zc_min = cfg.zero_copy_min;
