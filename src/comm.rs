@@ -108,6 +108,8 @@ pub struct Comm {
     pub(crate) executor: AtomicU64,
     /// Non-blocking operations started and not yet finished; a blocking one waits for none.
     pub(crate) pending: Started,
+    /// When they may move (always, or only inside the caller's calls).
+    pub(crate) gate: Arc<crate::overlap::gate::Gate>,
     algo: Mutex<Algo>,
     /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
     /// out once: the hierarchical all_reduce needs it on every call).
@@ -163,6 +165,7 @@ impl Comm {
             me,
             executor: AtomicU64::new(0),
             pending: Started::default(),
+            gate: Default::default(),
             rank: cfg.rank,
             size: cfg.world_size,
             inner: Mutex::new(Inner {
@@ -369,6 +372,11 @@ impl Comm {
         Ok(Comm::with_link_of(sub_cfg, Some(link), self.algorithm()))
     }
 
+    /// Who moves the operations of [`Comm::overlap`] (`RDMACOMM_PROGRESS`).
+    pub(crate) fn progress_mode(&self) -> crate::config::Progress {
+        self.cfg.progress
+    }
+
     /// The core the progress thread of [`Comm::overlap`] runs on (`RDMACOMM_PROGRESS_CPU`).
     pub(crate) fn progress_cpu(&self) -> Option<usize> {
         self.cfg.progress_cpu
@@ -446,6 +454,7 @@ impl Comm {
         if crate::overlap::in_job() {
             return;
         }
+        let _free = self.gate.waiting();
         self.pending.wait_none();
     }
 
@@ -496,6 +505,8 @@ impl Comm {
             by: self.me.clone(),
             reason: reason.to_string(),
         });
+        // An operation held between its caller's calls goes on, to see the abort.
+        self.gate.hold(false);
         let Some(req) = &self.abort_request else {
             return;
         };

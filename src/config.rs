@@ -18,7 +18,7 @@ use crate::verbs::DeviceChoice;
 use std::time::Duration;
 
 /// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
-pub const VARIABLES: [&str; 28] = [
+pub const VARIABLES: [&str; 29] = [
     "RDMACOMM_JOB_ID",
     "RDMACOMM_SECRET",
     "RDMACOMM_SECRET_FILE",
@@ -45,6 +45,7 @@ pub const VARIABLES: [&str; 28] = [
     "RDMACOMM_ZERO_COPY_MIN",
     "RDMACOMM_PIN",
     "RDMACOMM_PROGRESS_CPU",
+    "RDMACOMM_PROGRESS",
     "RDMACOMM_COPY",
     "RDMACOMM_SIMD",
 ];
@@ -181,6 +182,30 @@ impl Poll {
     }
 }
 
+/// Who moves the operations of a `Comm::overlap` scope (`RDMACOMM_PROGRESS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// A progress thread, sleeping on the completion channel and the sockets between events,
+    /// moves them while the caller computes.
+    Thread,
+    /// They move only inside the caller's calls on them (MPI without asynchronous progress):
+    /// `test()` runs them until they would wait on a peer, `wait()` and blocking calls to the end.
+    Caller,
+}
+
+impl Progress {
+    /// Parses `thread` or `caller`.
+    pub fn parse(v: &str) -> Result<Progress> {
+        match v {
+            "thread" => Ok(Progress::Thread),
+            "caller" => Ok(Progress::Caller),
+            _ => Err(Error::Config(format!(
+                "RDMACOMM_PROGRESS={v:?}: use thread or caller"
+            ))),
+        }
+    }
+}
+
 /// The default timeout for every wait on a peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -256,6 +281,8 @@ pub struct Config {
     /// The core for the progress thread of `Comm::overlap` (`RDMACOMM_PROGRESS_CPU`; unset: not
     /// pinned).
     pub progress_cpu: Option<usize>,
+    /// Who moves non-blocking operations (`RDMACOMM_PROGRESS`, default thread).
+    pub progress: Progress,
     /// The all_reduce algorithm (`RDMACOMM_ALGO`, default auto).
     pub algo: Algo,
     /// The broadcast algorithm (`RDMACOMM_BCAST`, default auto).
@@ -494,6 +521,12 @@ impl Config {
             progress_cpu: env("RDMACOMM_PROGRESS_CPU")
                 .map(|v| parse_num("RDMACOMM_PROGRESS_CPU", &v))
                 .transpose()?,
+            progress: Progress::parse(
+                env("RDMACOMM_PROGRESS")
+                    .as_deref()
+                    .unwrap_or("thread")
+                    .trim(),
+            )?,
             algo: Algo::parse(env("RDMACOMM_ALGO").as_deref().unwrap_or("auto").trim())?,
             bcast: Bcast::parse(env("RDMACOMM_BCAST").as_deref().unwrap_or("auto").trim())?,
             poll: Poll::parse(env("RDMACOMM_POLL").as_deref().unwrap_or("auto").trim())?,
@@ -538,6 +571,7 @@ impl Config {
             host_id: host_id(),
             pin: crate::pin::Pin::Off,
             progress_cpu: None,
+            progress: Progress::Thread,
             algo: Algo::Auto,
             bcast: Bcast::Auto,
             poll: Poll::Auto,
@@ -811,6 +845,12 @@ mod tests {
         let e = Poll::parse("fast").unwrap_err().to_string();
         assert!(
             e.contains("RDMACOMM_POLL=\"fast\"") && e.contains("auto, spin or yield"),
+            "{e}"
+        );
+        assert_eq!(Progress::parse("caller").unwrap(), Progress::Caller);
+        let e = Progress::parse("none").unwrap_err().to_string();
+        assert!(
+            e.contains("RDMACOMM_PROGRESS=\"none\"") && e.contains("thread or caller"),
             "{e}"
         );
         assert_eq!(Bcast::parse("tree").unwrap(), Bcast::Tree);

@@ -38,7 +38,7 @@ pub mod verbs;
 
 pub use api::{Communicator, P2p};
 pub use comm::{Algo, Comm};
-pub use config::Config;
+pub use config::{Config, Progress};
 pub use dtype::{AllReduce, DType};
 pub use error::{Error, Peer, Result};
 pub use group::Group;

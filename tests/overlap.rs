@@ -2,10 +2,12 @@
 //! under test: several operations in flight mixed with blocking ones, waited out of order or not
 //! at all, checked against a scalar re-computation; an abort from another thread ends every
 //! pending and blocked operation on every rank with an error naming the rank that aborted.
+//! Under `RDMACOMM_PROGRESS=caller` the same hold, and an operation moves only inside its
+//! caller's calls: a peer waits on it until then, and `test()` alone carries it to its end.
 
 mod common;
 use common::*;
-use rdmacomm::{AllReduce, Comm, Communicator, DType, Error};
+use rdmacomm::{AllReduce, Comm, Communicator, DType, Error, Progress};
 use std::time::{Duration, Instant};
 
 /// Rank r's element i of buffer k (small integers: sums exact in f32).
@@ -126,11 +128,72 @@ fn in_flight_body() {
     println!("rank {r}: non-blocking operations checked");
 }
 
+/// Rank 0 starts an all_reduce and computes (sleeps) for `HOLD` without calling on it, then
+/// carries it to its end by `test()` alone; the others start it and wait. Under caller progress
+/// their waits cannot end before rank 0's tests begin; under a progress thread they end during
+/// rank 0's computation.
+fn progress_body() {
+    const HOLD: Duration = Duration::from_millis(1000);
+    let (r, n) = rank_size();
+    let mode = match std::env::var("PROGRESS_CASE").unwrap().as_str() {
+        "caller" => Progress::Caller,
+        _ => Progress::Thread,
+    };
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let len = 256 << 10;
+    for round in 0..3 {
+        let mut buf = filled(round, r, len);
+        c.barrier().unwrap();
+        let t0 = Instant::now();
+        let (tests, took) = c
+            .overlap_with(mode, |s| -> rdmacomm::Result<(usize, Duration)> {
+                let p = s.all_reduce(&mut buf, AllReduce::Sum)?;
+                if r != 0 {
+                    p.wait()?;
+                    return Ok((0, t0.elapsed()));
+                }
+                std::thread::sleep(HOLD);
+                let mut tests = 1;
+                while !p.test() {
+                    tests += 1;
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(60),
+                        "tests never ended it"
+                    );
+                    std::hint::black_box((0..2000u64).sum::<u64>());
+                }
+                let took = t0.elapsed();
+                p.wait()?;
+                Ok((tests, took))
+            })
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(buf, summed(round, n, len), "rank {r}: round {round}");
+        if r != 0 {
+            match mode {
+                Progress::Caller => assert!(
+                    took >= HOLD - Duration::from_millis(50),
+                    "rank {r}: the wait ended after {took:?}, while rank 0 made no call on it"
+                ),
+                _ => assert!(
+                    took < HOLD,
+                    "rank {r}: the progress thread did not carry it: {took:?}"
+                ),
+            }
+        }
+        println!("RESULT rank {r} round {round}: done after {took:?}, {tests} tests");
+    }
+}
+
 /// Rank 0 aborts from a second thread while every rank waits: in a non-blocking receive that
 /// nobody matches (in a scope), or in a blocking one.
 fn abort_body() {
     let (r, n) = rank_size();
-    let blocking = std::env::var("ABORT_CASE").unwrap() == "blocking";
+    let case = std::env::var("ABORT_CASE").unwrap();
+    let blocking = case == "blocking";
+    // Rank 0's receive begins (one test), then stays held while it computes: the abort must
+    // still reach the peers at once.
+    let held = case == "held";
     let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
     c.barrier().unwrap();
     let t0 = Instant::now();
@@ -139,7 +202,13 @@ fn abort_body() {
             let c = &c;
             ts.spawn(move || {
                 std::thread::sleep(Duration::from_millis(300));
+                let t = Instant::now();
                 c.abort("the test's watchdog fired");
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "abort took {:?}",
+                    t.elapsed()
+                );
             });
         }
         let mut buf = vec![0f32; 1000];
@@ -147,6 +216,17 @@ fn abort_body() {
         if blocking {
             c.recv(from, bytemuck::cast_slice_mut(&mut buf))
                 .unwrap_err()
+        } else if held {
+            c.overlap_with(Progress::Caller, |s| {
+                let p = s.recv(from, &mut buf)?;
+                assert!(!p.test());
+                if r == 0 {
+                    std::thread::sleep(Duration::from_millis(1500));
+                }
+                p.wait().map(|_| ())
+            })
+            .and_then(|r| r)
+            .unwrap_err()
         } else {
             c.overlap(|s| s.recv(from, &mut buf).and_then(|p| p.wait()).map(|_| ()))
                 .and_then(|r| r)
@@ -240,12 +320,50 @@ fn operations_in_flight_with_blocking_ones() {
 }
 
 #[test]
+fn caller_progress_moves_operations_only_inside_calls() {
+    let name = "caller_progress_moves_operations_only_inside_calls";
+    if !parent_ready(name, progress_body) {
+        return;
+    }
+    for case in ["caller", "thread"] {
+        for n in [2, 3] {
+            let res = spawn(
+                name,
+                n,
+                Placement::Local,
+                &|_| vec![("PROGRESS_CASE".into(), case.into())],
+                Duration::from_secs(120),
+            );
+            assert_all_ok(&res);
+            for x in &res {
+                for line in x.output.lines().filter(|l| l.contains("RESULT")) {
+                    println!("{case}, {n} ranks: {line}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn operations_in_flight_under_caller_progress() {
+    let name = "operations_in_flight_with_blocking_ones";
+    for n in [2, 3] {
+        spawn_local_ok(
+            name,
+            n,
+            &[("RDMACOMM_PROGRESS", "caller")],
+            Duration::from_secs(300),
+        );
+    }
+}
+
+#[test]
 fn abort_ends_every_pending_call_on_every_rank() {
     let name = "abort_ends_every_pending_call_on_every_rank";
     if !parent_ready(name, abort_body) {
         return;
     }
-    for case in ["overlap", "blocking"] {
+    for case in ["overlap", "blocking", "held"] {
         let t0 = Instant::now();
         let res = spawn(
             name,

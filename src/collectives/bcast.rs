@@ -1,5 +1,6 @@
 //! Broadcast (a pipelined chain from the root, or a binomial tree) and barrier (dissemination).
 
+use crate::collectives::pause::wait_on;
 use crate::error::Result;
 use crate::transport::Link;
 
@@ -39,7 +40,7 @@ pub fn broadcast(link: &mut dyn Link, root: usize, data: &mut [u8]) -> Result<()
             did = true;
         }
         if !did {
-            link.progress(if got < pieces { prev } else { next })?;
+            wait_on(link, if got < pieces { prev } else { next })?;
         }
     }
     Ok(())
@@ -89,7 +90,7 @@ pub fn barrier(link: &mut dyn Link) -> Result<()> {
                 did = true;
             }
             if !did {
-                link.progress(if heard { to } else { from })?;
+                wait_on(link, if heard { to } else { from })?;
             }
         }
         k *= 2;

@@ -2,6 +2,7 @@
 //! in rank order. n-1 times the traffic of one vector, in one step that waits on no other: where
 //! peers share memory, small vectors finish before recursive doubling's log2(n) dependent steps.
 
+use crate::collectives::pause::wait_on;
 use crate::collectives::{land, take};
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
@@ -53,7 +54,7 @@ pub fn all_reduce_direct(
             }
             if !did {
                 let waiting_on = if q < n && q != me { q } else { (me + sent) % n };
-                link.progress(waiting_on)?;
+                wait_on(link, waiting_on)?;
             }
         }
     }

@@ -3,6 +3,7 @@
 //! to each peer and takes the next chunk from each, so no send waits on a receive that its peer
 //! can only make after the send (the both-send-first deadlock of two blocking sends).
 
+use crate::collectives::pause::wait_on;
 use crate::error::{Error, Result};
 use crate::transport::Link;
 
@@ -186,7 +187,7 @@ pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usiz
         }
         if !did {
             // Every lane under way tried and failed, so `waiting` names one.
-            link.progress(waiting.expect("an open lane that could not move"))?;
+            wait_on(link, waiting.expect("an open lane that could not move"))?;
         }
     }
 }

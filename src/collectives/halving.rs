@@ -12,6 +12,7 @@
 //! - `all_reduce_doubling`: the latency path: log2(p) exchanges of the whole vector; partners
 //!   combine as op(lower group, higher group), so both compute the same bits.
 
+use crate::collectives::pause::wait_on;
 use crate::collectives::ring::{chunks, equal_chunks, Chunks};
 use crate::collectives::{land, take};
 use crate::dtype::{AllReduce, DType};
@@ -59,7 +60,7 @@ fn exchange(
             }
         }
         if !did {
-            link.progress(peer)?;
+            wait_on(link, peer)?;
         }
     }
     Ok(())
@@ -328,7 +329,7 @@ fn exchange_reduce(
             }
         }
         if !did {
-            link.progress(peer)?;
+            wait_on(link, peer)?;
         }
     }
     Ok(())

@@ -93,6 +93,9 @@ impl Link for View<'_> {
     fn begin(&mut self) {
         self.link.begin()
     }
+    fn resume(&mut self) {
+        self.link.resume()
+    }
     fn start(&mut self, _op: &OpDesc, _scope: Scope) {
         // The whole operation was started on the underlying link; its steps start nothing.
     }

@@ -6,6 +6,7 @@ pub mod exchange;
 pub mod halving;
 pub mod hier;
 pub mod p2p;
+pub(crate) mod pause;
 pub mod ring;
 pub mod rooted;
 pub mod tuning;

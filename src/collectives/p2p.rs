@@ -1,6 +1,7 @@
 //! Point-to-point send and receive, chunked through the link's slots.
 
 use crate::collectives::exchange::pieces;
+use crate::collectives::pause::wait_on;
 use crate::error::{Error, Result};
 use crate::transport::Link;
 
@@ -11,7 +12,7 @@ pub fn send(link: &mut dyn Link, dst: usize, data: &[u8]) -> Result<()> {
     for i in 0..pieces(data.len(), max) {
         let part = &data[(i * max).min(data.len())..((i + 1) * max).min(data.len())];
         while !link.try_post(dst, part)? {
-            link.progress(dst)?;
+            wait_on(link, dst)?;
         }
     }
     Ok(())
@@ -34,7 +35,7 @@ pub fn recv(link: &mut dyn Link, src: usize, data: &mut [u8]) -> Result<()> {
             if got {
                 break;
             }
-            link.progress(src)?;
+            wait_on(link, src)?;
         }
     }
     Ok(())

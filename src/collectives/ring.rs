@@ -6,6 +6,7 @@
 //! segments in flight as the link has slots. Each element's final value is computed on exactly
 //! one rank and copied to the others, so every rank ends with the same bits.
 
+use crate::collectives::pause::wait_on;
 use crate::collectives::take;
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
@@ -137,7 +138,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
         }
         if !did {
             let waiting = if recvd < total { left } else { right };
-            link.progress(waiting)?;
+            wait_on(link, waiting)?;
         }
     }
     Ok(())

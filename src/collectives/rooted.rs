@@ -2,6 +2,7 @@
 //! reduce-scatter and a gather of the parts for large ones), gather to it, scatter from it.
 
 use crate::collectives::exchange::{exchange_with, run, Plan};
+use crate::collectives::pause::wait_on;
 use crate::collectives::ring;
 use crate::collectives::{take, Scratch};
 use crate::dtype::{AllReduce, DType};
@@ -46,7 +47,7 @@ pub fn reduce_tree(
             for i in 0..crate::collectives::exchange::pieces(len, max) {
                 let part = &mut acc[(i * max).min(len)..((i + 1) * max).min(len)];
                 while !take(link, child, part, Some((op, dtype)))? {
-                    link.progress(child)?;
+                    wait_on(link, child)?;
                 }
             }
         }

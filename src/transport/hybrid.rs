@@ -236,6 +236,11 @@ impl Link for HybridTransport {
         self.net.begin();
     }
 
+    fn resume(&mut self) {
+        self.pacer.begin();
+        self.net.resume();
+    }
+
     fn start(&mut self, op: &OpDesc, scope: Scope) {
         self.net.start(op, scope);
         self.rings.start(op, scope);

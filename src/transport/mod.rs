@@ -65,6 +65,11 @@ pub trait Link {
     fn progress(&mut self, waiting_on: usize) -> Result<()>;
     /// Marks the start of an operation's step (resets the no-progress clock).
     fn begin(&mut self);
+    /// The operation goes on after its caller held it (`RDMACOMM_PROGRESS=caller`): the time
+    /// held is not a peer's silence, so the no-progress clock starts again.
+    fn resume(&mut self) {
+        self.begin();
+    }
     /// Starts operation `op` with the peers of `scope`. Its descriptor, numbered in each
     /// direction between two ranks ([`op::OpDesc::seq`]), rides on the first chunk posted to each
     /// peer, and the first chunk taken from each peer must carry an equal one (else the take

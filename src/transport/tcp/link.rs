@@ -344,6 +344,10 @@ impl Link for TcpTransport {
         }
     }
 
+    fn resume(&mut self) {
+        self.pacer.begin();
+    }
+
     fn begin(&mut self) {
         self.pacer.begin();
         for c in self.conns.iter_mut().flatten() {

@@ -7,11 +7,14 @@
 //! dropped nor a forgotten handle can leave the transport writing into freed memory (the
 //! design of `std::thread::scope`).
 
+pub(crate) mod gate;
+
 use crate::api::{
     check_all_gather, check_all_reduce, check_all_to_all, check_peer, check_reduce_scatter_v,
     check_root, Communicator,
 };
 use crate::comm::{this_thread, Comm};
+use crate::config::Progress;
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
 use crate::tensor::Element;
@@ -108,6 +111,10 @@ struct QueueState<'env> {
     running: bool,
     /// The progress thread sleeps until woken (else it looks again every [`LOOK_EVERY`]).
     asleep: bool,
+    /// Operations started so far (the progress thread tells activity by its change).
+    started: u64,
+    /// Operations in a row that their waiters ran themselves (the progress thread found none).
+    helped: u32,
 }
 
 /// While operations come, the progress thread looks for one this often instead of being woken
@@ -116,11 +123,19 @@ struct QueueState<'env> {
 const LOOK_EVERY: Duration = Duration::from_millis(1);
 /// Without a start for this long, the progress thread sleeps until woken.
 const DOZE_AFTER: Duration = Duration::from_millis(20);
+/// While every operation is run by its own waiter (started and waited at once), the progress
+/// thread looks this seldom: its wake-ups would be all it adds (on emulated CPUs, a visible
+/// share of a small operation). An operation then left to it begins within this long, and
+/// from the next one it looks every [`LOOK_EVERY`] again.
+const LOOK_SELDOM: Duration = Duration::from_millis(20);
+/// Operations in a row run by their waiters after which the progress thread looks seldom.
+const HELPED_SELDOM: u32 = 16;
 
 impl<'env> Queue<'env> {
     fn push(&self, job: Arc<dyn Job<'env> + 'env>) {
         let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
         q.jobs.push_back(job);
+        q.started += 1;
         if q.asleep {
             self.changed.notify_all();
         }
@@ -149,12 +164,14 @@ impl<'env> Queue<'env> {
     /// The progress thread: runs operations as they come, until closed and empty.
     fn serve(&self) {
         let mut last = Instant::now();
+        let mut seen = 0;
         loop {
             let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 if !q.running {
                     if let Some(j) = q.jobs.pop_front() {
                         q.running = true;
+                        q.helped = 0;
                         drop(q);
                         self.run(j);
                         last = Instant::now();
@@ -164,10 +181,16 @@ impl<'env> Queue<'env> {
                         return;
                     }
                 }
-                if !q.jobs.is_empty() {
+                if !q.jobs.is_empty() || q.started != seen {
+                    seen = q.started;
                     last = Instant::now();
                 }
                 q.asleep = last.elapsed() > DOZE_AFTER;
+                let look = if q.helped >= HELPED_SELDOM {
+                    LOOK_SELDOM
+                } else {
+                    LOOK_EVERY
+                };
                 q = if q.asleep {
                     let q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
                     // Operations come again: look for them for a while instead of being woken
@@ -178,11 +201,35 @@ impl<'env> Queue<'env> {
                 } else {
                     let (q, _) = self
                         .changed
-                        .wait_timeout(q, LOOK_EVERY)
+                        .wait_timeout(q, look)
                         .unwrap_or_else(|e| e.into_inner());
                     q
                 };
             }
+        }
+    }
+
+    /// The runner under `RDMACOMM_PROGRESS=caller`: runs operations only while the gate lets
+    /// them move, until closed and empty.
+    fn serve_held(&self) {
+        let gate = &self.comm.gate;
+        loop {
+            gate.enter();
+            {
+                let mut q = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                if !q.running {
+                    if let Some(j) = q.jobs.pop_front() {
+                        q.running = true;
+                        drop(q);
+                        self.run(j);
+                        continue;
+                    }
+                    if q.closed {
+                        return;
+                    }
+                }
+            }
+            gate.idle(LOOK_EVERY);
         }
     }
 
@@ -197,6 +244,7 @@ impl<'env> Queue<'env> {
             return false;
         };
         q.running = true;
+        q.helped = q.helped.saturating_add(1);
         drop(q);
         self.run(j);
         true
@@ -239,14 +287,25 @@ pub struct Pending<'env, B> {
 }
 
 impl<B> Pending<'_, B> {
-    /// Whether the operation has finished (never blocks).
+    /// Whether the operation has finished. Under a progress thread it only looks; under
+    /// `RDMACOMM_PROGRESS=caller` it first lets the operations move until they would wait on a
+    /// peer (what has arrived is taken and what can be sent is sent), then looks.
     pub fn test(&self) -> bool {
+        if self.op.slot().done.load(Ordering::Acquire) {
+            return true;
+        }
+        self.queue.comm.gate.test();
         self.op.slot().done.load(Ordering::Acquire)
     }
 
     /// Until the operation is done: runs it (and those before it) here where the progress
     /// thread has not begun them, else waits for it.
     fn finish(&self) {
+        if self.op.slot().done.load(Ordering::Acquire) {
+            return;
+        }
+        // Under caller progress, the operations move freely while their caller waits.
+        let _free = self.queue.comm.gate.waiting();
         while !self.op.slot().done.load(Ordering::Acquire) {
             if self.queue.help() {
                 continue;
@@ -304,9 +363,10 @@ pub struct Overlap<'env> {
 impl Comm {
     /// Runs `f` with a scope in which operations start without waiting ([`Overlap`]); they run,
     /// in call order, on a progress thread (pinned to `RDMACOMM_PROGRESS_CPU` if set) while `f`
-    /// computes. Returns when every started operation has finished: `f`'s value, or the first
-    /// failure of an operation (the communicator then refuses further work, as after any
-    /// failure). Scopes do not nest.
+    /// computes, or, with `RDMACOMM_PROGRESS=caller`, only inside `f`'s calls on them (see
+    /// [`Comm::overlap_with`]). Returns when every started operation has finished: `f`'s value,
+    /// or the first failure of an operation (the communicator then refuses further work, as
+    /// after any failure). Scopes do not nest.
     ///
     /// ```no_run
     /// # let comm = rdmacomm::Comm::from_env()?;
@@ -329,6 +389,20 @@ impl Comm {
     where
         F: FnOnce(&Overlap<'env>) -> R,
     {
+        self.overlap_with(self.progress_mode(), f)
+    }
+
+    /// [`Comm::overlap`] with its operations moved as `progress` says. With
+    /// [`Progress::Caller`] they move only inside the caller's calls, as in MPI without
+    /// asynchronous progress: [`Pending::test`] runs them until they would wait on a peer,
+    /// [`Pending::wait`], a blocking call and the scope's end run them to their end; between
+    /// those calls no thread works for them (their stack sleeps on a helper thread). A peer
+    /// waiting on this rank meanwhile still fails after `RDMACOMM_TIMEOUT`, as it would for a
+    /// rank that is late to call.
+    pub fn overlap_with<'env, F, R>(&'env self, progress: Progress, f: F) -> Result<R>
+    where
+        F: FnOnce(&Overlap<'env>) -> R,
+    {
         self.check_thread(&"overlap")?;
         if self.executor.load(Ordering::Relaxed) != 0 {
             return Err(Error::InvalidArgument(
@@ -345,6 +419,8 @@ impl Comm {
                     closed: false,
                     running: false,
                     asleep: true,
+                    started: 0,
+                    helped: 0,
                 }),
                 changed: Condvar::new(),
                 failed: AtomicBool::new(false),
@@ -352,6 +428,8 @@ impl Comm {
             }),
             _env: PhantomData,
         };
+        let held = progress == Progress::Caller;
+        self.gate.hold(held);
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let r = std::thread::scope(|ts| {
             let s = &scope;
@@ -364,17 +442,28 @@ impl Comm {
                     }
                     s.comm.executor.store(this_thread(), Ordering::Relaxed);
                     let _ = started_tx.send(());
-                    s.queue.serve();
+                    if held {
+                        crate::collectives::pause::set(Some(s.comm.gate.clone()));
+                        s.queue.serve_held();
+                        crate::collectives::pause::set(None);
+                    } else {
+                        s.queue.serve();
+                    }
                     s.comm.executor.store(0, Ordering::Relaxed);
                 });
             let progress = match progress {
                 Ok(p) => p,
-                Err(e) => return Err(Error::Io(e)),
+                Err(e) => {
+                    self.gate.hold(false);
+                    return Err(Error::Io(e));
+                }
             };
             // The executor is known before the first operation is checked against it.
             let _ = started_rx.recv();
             let r = catch_unwind(AssertUnwindSafe(|| f(s)));
             s.queue.close();
+            // What is left runs to its end now.
+            self.gate.hold(false);
             let _ = progress.join();
             Ok(r)
         })?;
