@@ -5,7 +5,9 @@
 //! timed iterations after `-w` warm-ups; `-c 1` checks every result against a reference;
 //! `-d` dtype, `-o` op, `--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast|
 //! all_to_all|reduce|gather|scatter`; `--nb 1` runs each operation non-blocking (started in a
-//! `Comm::overlap` scope and waited at once); `--overlap 1` measures how much of an all_reduce a
+//! `Comm::overlap` scope and waited at once); `--nb 2` alternates blocks of blocking and of
+//! started-and-waited-at-once all_reduces in one scope and reports their paired ratios;
+//! `--overlap 1` measures how much of an all_reduce a
 //! compute kernel on the calling thread hides. busbw as nccl-tests: all_reduce algbw x
 //! 2(n-1)/n; all_gather, sum_scatter, all_to_all, gather, scatter algbw x (n-1)/n (size: the
 //! whole buffer); sendrecv, broadcast and reduce algbw. Time is the slowest rank's mean per
@@ -32,6 +34,8 @@ struct Opts {
     register: bool,
     /// Run each operation non-blocking, started and waited at once.
     nb: bool,
+    /// Alternate blocking and non-blocking blocks, paired (`--nb 2`).
+    paired: bool,
     /// Measure overlap of an all_reduce with computation instead.
     overlap: bool,
 }
@@ -64,6 +68,7 @@ fn parse() -> Result<Opts, String> {
         algo: None,
         register: false,
         nb: false,
+        paired: false,
         overlap: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -83,7 +88,10 @@ fn parse() -> Result<Opts, String> {
             "--coll" => o.coll = v.clone(),
             "--algo" => o.algo = Some(Algo::parse(&v).map_err(|e| e.to_string())?),
             "-R" | "--register" => o.register = v != "0",
-            "--nb" => o.nb = v != "0",
+            "--nb" => {
+                o.nb = v != "0";
+                o.paired = v == "2";
+            }
             "--overlap" => o.overlap = v != "0",
             "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
             "-h" | "--help" => {
@@ -91,7 +99,7 @@ fn parse() -> Result<Opts, String> {
                     "rdmacomm-perf [--local N] [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [-R 0|1] \
                      [-d f32|f64|f16|bf16|i8|u8|i32|u32|i64|u64] [-o sum|prod|min|max] \
                      [--coll all_reduce|all_gather|sum_scatter|sendrecv|broadcast|all_to_all|reduce|gather|scatter] \
-                     [--algo ring|halving|doubling|direct|auto] [--nb 0|1] [--overlap 0|1]"
+                     [--algo ring|halving|doubling|direct|auto] [--nb 0|1|2] [--overlap 0|1]"
                 );
                 std::process::exit(0);
             }
@@ -451,6 +459,9 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     if o.overlap {
         return overlap_sweep(&c, o, &sizes, &mut a);
     }
+    if o.paired {
+        return paired_sweep(&c, o, &sizes, &mut a);
+    }
     if r == 0 {
         println!(
             "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}, copy {:?}{}",
@@ -516,9 +527,96 @@ fn slowest(c: &Comm, v: f64) -> rdmacomm::Result<f64> {
     Ok(f64::from_le_bytes(t))
 }
 
+/// For each size, in one scope: `-n` pairs of blocks, a block of blocking all_reduces then one
+/// of all_reduces started and waited at once (or the other way round, every other pair), each
+/// block about 5 ms long; prints both medians of the per-call means, the median of the pairs'
+/// ratios (non-blocking / blocking) and their quartiles. Pairing cancels the drift between
+/// rounds that separate runs show.
+fn paired_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm::Result<()> {
+    let sorted = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v
+    };
+    if c.rank() == 0 {
+        println!(
+            "# rdmacomm-perf paired: {} ranks, {}, all_reduce {} {}, {} pairs of ~5 ms blocks",
+            c.size(),
+            c.device().unwrap_or_default(),
+            o.dtype.name(),
+            o.op.name(),
+            o.iters
+        );
+        println!(
+            "# {:>10} {:>6} {:>11} {:>11} {:>8} {:>8} {:>8}",
+            "size (B)", "calls", "block (us)", "nb (us)", "nb/bl", "q1", "q3"
+        );
+    }
+    for &bytes in sizes {
+        // A scope per size: a buffer stays borrowed for its scope.
+        c.overlap(|sc| -> rdmacomm::Result<()> {
+            let mut buf = &mut a[..bytes];
+            // Calls per block, alike on every rank (the slowest rank's estimate, after warm-up).
+            for _ in 0..o.warmup {
+                c.all_reduce(o.op, o.dtype, buf)?;
+            }
+            let (mut k, mut est) = (1, 0.0);
+            while k <= 4096 {
+                let t0 = Instant::now();
+                for _ in 0..k {
+                    c.all_reduce(o.op, o.dtype, buf)?;
+                }
+                let took = slowest(c, t0.elapsed().as_secs_f64() * 1e6)?;
+                est = took / k as f64;
+                if took > 2000.0 {
+                    break;
+                }
+                k *= 4;
+            }
+            let calls = ((5000.0 / est) as usize).clamp(1, 20_000);
+            let (mut bl, mut nb, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+            for pair in 0..o.iters {
+                let mut t = [0.0; 2];
+                for k in 0..2 {
+                    // Which kind goes first alternates, so neither always follows the other.
+                    let blocking = (k == 0) == (pair % 2 == 0);
+                    c.barrier()?;
+                    let t0 = Instant::now();
+                    for _ in 0..calls {
+                        if blocking {
+                            c.all_reduce(o.op, o.dtype, buf)?;
+                        } else {
+                            buf = sc.all_reduce_bytes(o.op, o.dtype, buf)?.wait()?;
+                        }
+                    }
+                    t[usize::from(!blocking)] = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;
+                }
+                bl.push(t[0]);
+                nb.push(t[1]);
+                ratio.push(t[1] / t[0]);
+            }
+            let (bl, nb, ratio) = (sorted(bl), sorted(nb), sorted(ratio));
+            let q = |v: &[f64], f: f64| v[((v.len() - 1) as f64 * f).round() as usize];
+            if c.rank() == 0 {
+                println!(
+                    "  {bytes:>10} {calls:>6} {:>11.2} {:>11.2} {:>8.3} {:>8.3} {:>8.3}",
+                    q(&bl, 0.5),
+                    q(&nb, 0.5),
+                    q(&ratio, 0.5),
+                    q(&ratio, 0.25),
+                    q(&ratio, 0.75)
+                );
+            }
+            Ok(())
+        })??;
+    }
+    Ok(())
+}
+
 /// For each size: an all_reduce alone, a compute kernel alone (calibrated to last about as
 /// long), and both at once (started non-blocking, the kernel, then the wait); the share of the
-/// communication hidden is (comm + compute - both) / comm. Medians of `-n` runs.
+/// communication hidden is (comm + compute - both) / comm. Medians of `-n` runs. The kernel
+/// tests the operation between its passes, which is how it moves under
+/// `RDMACOMM_PROGRESS=caller` (under a progress thread a test only looks).
 fn overlap_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm::Result<()> {
     let mut x = vec![1f32; 256 << 10];
     let median = |mut v: Vec<f64>| {
@@ -527,11 +625,16 @@ fn overlap_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm:
     };
     if c.rank() == 0 {
         println!(
-            "# rdmacomm-perf overlap: {} ranks, {}, all_reduce {} sum, medians of {}",
+            "# rdmacomm-perf overlap: {} ranks, {}, all_reduce {} sum, medians of {}, \
+             progress by {}",
             c.size(),
             c.device().unwrap_or_default(),
             o.dtype.name(),
-            o.iters
+            o.iters,
+            match std::env::var("RDMACOMM_PROGRESS").as_deref() {
+                Ok("caller") => "the caller's tests",
+                _ => "a thread",
+            }
         );
         println!(
             "# {:>10} {:>11} {:>11} {:>11} {:>8}",
@@ -566,7 +669,10 @@ fn overlap_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm:
                 c.barrier()?;
                 let t0 = Instant::now();
                 let p = s.all_reduce_bytes(AllReduce::Sum, o.dtype, buf)?;
-                compute(&mut x, reps);
+                for _ in 0..reps {
+                    compute(&mut x, 1);
+                    p.test();
+                }
                 buf = p.wait()?;
                 both.push(slowest(c, t0.elapsed().as_secs_f64() * 1e6)?);
             }
