@@ -780,7 +780,7 @@ impl Communicator for Comm {
             return Ok(());
         }
         let block = input.len() / self.size;
-        let pairwise = block >= tuning::all_to_all_pairwise_min();
+        let pairwise = block >= tuning::all_to_all_pairwise_min(self.size);
         let desc = OpDesc {
             algo: u8::from(pairwise),
             ..OpDesc::new(OpKind::AllToAll, block)

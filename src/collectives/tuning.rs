@@ -37,11 +37,17 @@ pub fn reduce_tree_max(medium: Medium) -> usize {
     }
 }
 
-/// The smallest block (bytes) from which all_to_all exchanges with one peer at a time
-/// (pairwise) instead of with every peer at once: large blocks to every peer at once contend
-/// for one NIC (on soft-RoCE, 4 ranks: pairwise steadier at 1 MiB blocks, see docs/DESIGN.md).
-pub fn all_to_all_pairwise_min() -> usize {
-    1 << 20
+/// The smallest block (bytes) from which an all_to_all of `n` ranks exchanges with one peer at
+/// a time (pairwise) instead of with every peer at once. Measured on soft-RoCE with 4 ranks
+/// (docs/BENCHMARKS.md): every peer at once was as fast or faster at every block size (5 paired
+/// rounds, 1-8 MiB blocks); in wider worlds large blocks to every peer at once contend for one
+/// NIC, so there it goes pairwise from 1 MiB blocks, as MPI libraries do.
+pub fn all_to_all_pairwise_min(n: usize) -> usize {
+    if n <= 8 {
+        usize::MAX
+    } else {
+        1 << 20
+    }
 }
 
 #[cfg(test)]
