@@ -116,6 +116,9 @@ pub struct Comm {
     layout: Option<hier::Layout>,
     /// What the link moves bytes over (fixed for its life; `None` alone).
     medium: Option<crate::transport::Medium>,
+    /// The transport in words (kept: reading it from the link would wait for an operation, or,
+    /// under caller progress, for the caller's next call on one).
+    described: Option<String>,
     cfg: Config,
     /// The thread whose operations this communicator runs ([`this_thread`]).
     owner: AtomicU64,
@@ -151,6 +154,7 @@ impl Comm {
             .and_then(|l| l.hosts().and_then(|h| hier::Layout::of(h, l.rank())));
         let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
         let medium = link.as_ref().map(|l| l.medium());
+        let described = link.as_ref().map(|l| l.describe());
         let me = link.as_ref().map_or(
             Peer {
                 rank: cfg.rank,
@@ -161,6 +165,7 @@ impl Comm {
         Comm {
             layout,
             medium,
+            described,
             abort_request,
             me,
             executor: AtomicU64::new(0),
@@ -395,7 +400,7 @@ impl Comm {
     /// The transport in use, in words: `RDMA <device> port <n> GID[<i>]` or `TCP` (None for a
     /// world of one).
     pub fn device(&self) -> Option<String> {
-        self.lock().link.as_ref().map(|l| l.describe())
+        self.described.clone()
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -709,6 +714,9 @@ impl Communicator for Comm {
         struct Unregister<'a>(&'a Comm, Option<u64>);
         impl Drop for Unregister<'_> {
             fn drop(&mut self) {
+                // Operations `f` left started run first (under caller progress they hold the
+                // link until a call moves them).
+                self.0.wait_started_ones();
                 if let (Some(id), Some(l)) = (self.1, self.0.lock().link.as_deref_mut()) {
                     l.unregister(id);
                 }

@@ -220,6 +220,15 @@ fn abort_body() {
             c.overlap_with(Progress::Caller, |s| {
                 let p = s.recv(from, &mut buf)?;
                 assert!(!p.test());
+                // The held receive keeps the link: what the owner may still call returns at once
+                // (not when the abort, at 300 ms, lets it go).
+                let t = Instant::now();
+                assert!(c.device().is_some() && c.health().is_ok());
+                assert!(
+                    t.elapsed() < Duration::from_millis(150),
+                    "{:?}",
+                    t.elapsed()
+                );
                 if r == 0 {
                     std::thread::sleep(Duration::from_millis(1500));
                 }
