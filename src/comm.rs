@@ -575,6 +575,80 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
+/// Distinct ranks, on the stack up to [`PeerSet::ON_STACK`] (a batch's peers: no allocation for
+/// the batches one meets).
+#[derive(Default)]
+struct PeerSet {
+    stack: [usize; PeerSet::ON_STACK],
+    len: usize,
+    more: Vec<usize>,
+}
+
+impl PeerSet {
+    const ON_STACK: usize = 32;
+
+    fn insert(&mut self, p: usize) {
+        if self.stack[..self.len].contains(&p) || self.more.contains(&p) {
+            return;
+        }
+        if self.len < Self::ON_STACK {
+            self.stack[self.len] = p;
+            self.len += 1;
+        } else {
+            self.more.push(p);
+        }
+    }
+
+    /// The ranks inserted, each once.
+    fn ranks(&mut self) -> &[usize] {
+        if self.more.is_empty() {
+            return &self.stack[..self.len];
+        }
+        if self.len > 0 {
+            // Past the stack: all of them in one list, once.
+            self.more
+                .splice(0..0, self.stack[..self.len].iter().copied());
+            self.len = 0;
+        }
+        &self.more
+    }
+}
+
+/// A batch's operations as an exchange plan: `index` holds the sends' positions in `ops`, then
+/// the receives' (kept in the communicator's scratch, so a repeated batch allocates nothing).
+struct Batch<'s, 'd> {
+    ops: &'s mut [P2p<'d>],
+    index: &'s [usize],
+    sends: usize,
+}
+
+impl exchange::Plan for Batch<'_, '_> {
+    fn sends(&self) -> usize {
+        self.sends
+    }
+    fn send_peer(&self, i: usize) -> usize {
+        self.ops[self.index[i]].peer()
+    }
+    fn send(&self, i: usize) -> &[u8] {
+        match &self.ops[self.index[i]] {
+            P2p::Send { data, .. } => data,
+            P2p::Recv { .. } => unreachable!("indexed as a send"),
+        }
+    }
+    fn recvs(&self) -> usize {
+        self.index.len() - self.sends
+    }
+    fn recv_peer(&self, i: usize) -> usize {
+        self.ops[self.index[self.sends + i]].peer()
+    }
+    fn recv(&mut self, i: usize) -> &mut [u8] {
+        match &mut self.ops[self.index[self.sends + i]] {
+            P2p::Recv { data, .. } => data,
+            P2p::Send { .. } => unreachable!("indexed as a receive"),
+        }
+    }
+}
+
 impl Communicator for Comm {
     fn rank(&self) -> usize {
         self.rank
@@ -953,32 +1027,26 @@ impl Communicator for Comm {
         if ops.is_empty() {
             return self.alone("batch");
         }
-        let mut to: Vec<usize> = Vec::new();
-        let mut from: Vec<usize> = Vec::new();
+        let (mut to, mut from) = (PeerSet::default(), PeerSet::default());
         for op in ops.iter() {
-            let v = if matches!(op, P2p::Send { .. }) {
-                &mut to
-            } else {
-                &mut from
-            };
-            if !v.contains(&op.peer()) {
-                v.push(op.peer());
+            match op {
+                P2p::Send { peer, .. } => to.insert(*peer),
+                P2p::Recv { peer, .. } => from.insert(*peer),
             }
         }
         let scope = Scope::Peers {
-            to: &to,
-            from: &from,
+            to: to.ranks(),
+            from: from.ranks(),
         };
         self.with_link(OpDesc::new(OpKind::Batch, 0), scope, |l, scratch| {
-            let mut sends: Vec<(usize, &[u8])> = Vec::new();
-            let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
-            for op in ops.iter_mut() {
-                match op {
-                    P2p::Send { peer, data } => sends.push((*peer, data)),
-                    P2p::Recv { peer, data } => recvs.push((*peer, data)),
-                }
-            }
-            exchange::exchange_with(l, &sends, &mut recvs, &mut scratch.counters)
+            let crate::collectives::Scratch {
+                index, counters, ..
+            } = scratch;
+            index.clear();
+            index.extend((0..ops.len()).filter(|&i| matches!(ops[i], P2p::Send { .. })));
+            let sends = index.len();
+            index.extend((0..ops.len()).filter(|&i| matches!(ops[i], P2p::Recv { .. })));
+            exchange::run(l, &mut Batch { ops, index, sends }, counters)
         })
     }
 
@@ -999,5 +1067,27 @@ impl Communicator for Comm {
             self.poison(e);
         }
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PeerSet;
+
+    #[test]
+    fn peer_sets_keep_each_rank_once_past_the_stack() {
+        for n in [0, 1, 5, PeerSet::ON_STACK, PeerSet::ON_STACK + 1, 100] {
+            let mut set = PeerSet::default();
+            for _ in 0..3 {
+                for p in (0..n).rev() {
+                    set.insert(p * 7);
+                }
+            }
+            let mut got = set.ranks().to_vec();
+            got.sort_unstable();
+            let want: Vec<usize> = (0..n).map(|p| p * 7).collect();
+            assert_eq!(got, want, "{n} ranks");
+            assert_eq!(set.ranks().len(), n, "asked twice");
+        }
     }
 }

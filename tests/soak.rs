@@ -7,7 +7,7 @@
 mod common;
 use common::reference::*;
 use common::*;
-use rdmacomm::{AllReduce, Comm, Communicator, Config, DType};
+use rdmacomm::{AllReduce, Comm, Communicator, Config, DType, P2p};
 use std::time::{Duration, Instant};
 
 fn fds() -> usize {
@@ -290,6 +290,8 @@ struct Round {
     red_small: Vec<u8>,
     red_large: Vec<u8>,
     sr_got: Vec<u8>,
+    /// Two blocks from the previous rank, through one batch.
+    batch_got: Vec<u8>,
 }
 
 /// Byte i of what rank `from` sends rank `to` in the exchange-based operations.
@@ -327,6 +329,7 @@ impl Round {
             red_small: init[..8].to_vec(),
             red_large: init.clone(),
             sr_got: vec![0; BLOCK],
+            batch_got: vec![0; 2 * BLOCK],
             init,
         }
     }
@@ -373,6 +376,31 @@ impl Round {
             prev,
             &mut self.sr_got,
         )
+        .unwrap();
+        // Two messages each way with the ring's neighbours, one batch (order kept per peer).
+        let (first, second) = self.batch_got.split_at_mut(BLOCK);
+        let (one, two) = (
+            &self.a2a_in[next * BLOCK..(next + 1) * BLOCK],
+            &self.a2a_in[r * BLOCK..(r + 1) * BLOCK],
+        );
+        c.batch(&mut [
+            P2p::Recv {
+                peer: prev,
+                data: first,
+            },
+            P2p::Send {
+                peer: next,
+                data: one,
+            },
+            P2p::Send {
+                peer: next,
+                data: two,
+            },
+            P2p::Recv {
+                peer: prev,
+                data: second,
+            },
+        ])
         .unwrap();
     }
 }
@@ -434,8 +462,19 @@ fn hot_path_body() {
     }
     let want: Vec<u8> = (0..BLOCK).map(|i| pat(prev, r, i)).collect();
     assert_eq!(round.sr_got, want, "sendrecv from {prev}");
+    assert_eq!(
+        &round.batch_got[..BLOCK],
+        &want[..],
+        "batch's first from {prev}"
+    );
+    let want: Vec<u8> = (0..BLOCK).map(|i| pat(prev, prev, i)).collect();
+    assert_eq!(
+        &round.batch_got[BLOCK..],
+        &want[..],
+        "batch's second from {prev}"
+    );
     println!(
-        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 13 operations",
+        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 14 operations",
         c.device().unwrap_or_default(),
         info.count_total,
         info.bytes_total

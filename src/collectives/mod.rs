@@ -30,6 +30,8 @@ pub struct Scratch {
     pub bytes: Vec<u8>,
     /// An exchange's counters (per peer and direction: the message under way, its next chunk).
     pub counters: Vec<usize>,
+    /// A batch's sends' then receives' positions among its operations.
+    pub index: Vec<usize>,
 }
 
 impl std::ops::Deref for Scratch {

@@ -70,7 +70,9 @@ pub fn reduce_scatter_gather(
     let (r, n) = (link.rank(), link.size());
     let es = dtype.size();
     let parts = ring::chunks(data.len() / es, n, es);
-    let Scratch { bytes, counters } = scratch;
+    let Scratch {
+        bytes, counters, ..
+    } = scratch;
     bytes.clear();
     bytes.extend_from_slice(data);
     ring::reduce_scatter_in(link, op, dtype, bytes, parts)?;
