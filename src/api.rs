@@ -87,7 +87,8 @@ pub trait Communicator: Send + Sync {
         recv_lens: &[usize],
     ) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
-        let (so, ro) = check_all_to_allv(me, n, input, send_lens, output, recv_lens)?;
+        check_all_to_allv(me, n, input, send_lens, output, recv_lens)?;
+        let (so, ro) = (offsets(send_lens), offsets(recv_lens));
         let (mut recvs, own) = split_blocks(output, &ro, me);
         own.copy_from_slice(&input[so[me]..so[me + 1]]);
         let mut ops: Vec<P2p<'_>> = (0..n)
@@ -160,7 +161,8 @@ pub trait Communicator: Send + Sync {
     /// `output` (their sum); every rank passes the same `lens` (MPI_Allgatherv).
     fn all_gather_v(&self, input: &[u8], output: &mut [u8], lens: &[usize]) -> Result<()> {
         let (me, n) = (self.rank(), self.size());
-        let offs = check_all_gather_v(me, n, input, output, lens)?;
+        check_all_gather_v(me, n, input, output, lens)?;
+        let offs = offsets(lens);
         let (recvs, own) = split_blocks(output, &offs, me);
         own.copy_from_slice(input);
         let mut ops: Vec<P2p<'_>> = (0..n)
@@ -189,7 +191,8 @@ pub trait Communicator: Send + Sync {
         output: &mut [u8],
         lens: &[usize],
     ) -> Result<()> {
-        let offs = check_reduce_scatter_v(self.rank(), self.size(), dtype, input, output, lens)?;
+        check_reduce_scatter_v(self.rank(), self.size(), dtype, input, output, lens)?;
+        let offs = offsets(lens);
         let mut tmp = input.to_vec();
         self.all_reduce(op, dtype, &mut tmp)?;
         let r = self.rank();
@@ -293,11 +296,18 @@ impl P2p<'_> {
 /// Byte offsets of consecutive blocks of `lens` (n + 1 entries).
 pub(crate) fn offsets(lens: &[usize]) -> Vec<usize> {
     let mut o = Vec::with_capacity(lens.len() + 1);
-    o.push(0);
-    for l in lens {
-        o.push(o.last().unwrap() + l);
-    }
+    offsets_onto(lens, &mut o);
     o
+}
+
+/// [`offsets`], appended to `o` (a buffer reused from call to call allocates nothing).
+pub(crate) fn offsets_onto(lens: &[usize], o: &mut Vec<usize>) {
+    let mut at = 0;
+    o.push(at);
+    for l in lens {
+        at += l;
+        o.push(at);
+    }
 }
 
 /// Cuts `buf` at `offs` into (rank, block) pairs but `skip`'s block, returned apart.
@@ -311,14 +321,15 @@ pub(crate) fn split_blocks<'a>(
     (v, own.unwrap_or_default())
 }
 
-fn lens_check(what: &str, n: usize, lens: &[usize], name: &str) -> Result<Vec<usize>> {
+/// Checks that `lens` has an entry per rank; their sum.
+fn lens_check(what: &str, n: usize, lens: &[usize], name: &str) -> Result<usize> {
     if lens.len() != n {
         return Err(Error::InvalidArgument(format!(
             "{what}: {name} has {} entries but the world has {n} ranks",
             lens.len()
         )));
     }
-    Ok(offsets(lens))
+    Ok(lens.iter().sum())
 }
 
 /// Checks `all_to_all` arguments.
@@ -334,7 +345,7 @@ pub(crate) fn check_all_to_all(n: usize, input: &[u8], output: &[u8]) -> Result<
     Ok(())
 }
 
-/// Checks `all_to_allv` arguments; the send and receive block offsets.
+/// Checks `all_to_allv` arguments.
 pub(crate) fn check_all_to_allv(
     me: usize,
     n: usize,
@@ -342,16 +353,16 @@ pub(crate) fn check_all_to_allv(
     send_lens: &[usize],
     output: &[u8],
     recv_lens: &[usize],
-) -> Result<(Vec<usize>, Vec<usize>)> {
-    let so = lens_check("all_to_allv", n, send_lens, "send_lens")?;
-    let ro = lens_check("all_to_allv", n, recv_lens, "recv_lens")?;
-    if so[n] != input.len() || ro[n] != output.len() {
+) -> Result<()> {
+    let sent = lens_check("all_to_allv", n, send_lens, "send_lens")?;
+    let got = lens_check("all_to_allv", n, recv_lens, "recv_lens")?;
+    if sent != input.len() || got != output.len() {
         return Err(Error::InvalidArgument(format!(
             "all_to_allv: send_lens sum to {} B for an input of {} B, recv_lens to {} B for an \
              output of {} B",
-            so[n],
+            sent,
             input.len(),
-            ro[n],
+            got,
             output.len()
         )));
     }
@@ -361,7 +372,7 @@ pub(crate) fn check_all_to_allv(
             send_lens[me], recv_lens[me]
         )));
     }
-    Ok((so, ro))
+    Ok(())
 }
 
 /// Checks `gather` arguments.
@@ -410,29 +421,29 @@ fn check_rooted(
     Ok(())
 }
 
-/// Checks `all_gather_v` arguments; the blocks' offsets.
+/// Checks `all_gather_v` arguments.
 pub(crate) fn check_all_gather_v(
     me: usize,
     n: usize,
     input: &[u8],
     output: &[u8],
     lens: &[usize],
-) -> Result<Vec<usize>> {
-    let o = lens_check("all_gather_v", n, lens, "lens")?;
-    if lens[me] != input.len() || o[n] != output.len() {
+) -> Result<()> {
+    let total = lens_check("all_gather_v", n, lens, "lens")?;
+    if lens[me] != input.len() || total != output.len() {
         return Err(Error::InvalidArgument(format!(
             "all_gather_v: rank {me}'s input has {} B where lens says {} B, and the output {} B \
              where lens sums to {} B",
             input.len(),
             lens[me],
             output.len(),
-            o[n]
+            total
         )));
     }
-    Ok(o)
+    Ok(())
 }
 
-/// Checks `reduce_scatter_v` arguments; the blocks' offsets.
+/// Checks `reduce_scatter_v` arguments.
 pub(crate) fn check_reduce_scatter_v(
     me: usize,
     n: usize,
@@ -440,22 +451,22 @@ pub(crate) fn check_reduce_scatter_v(
     input: &[u8],
     output: &[u8],
     lens: &[usize],
-) -> Result<Vec<usize>> {
-    let o = lens_check("reduce_scatter_v", n, lens, "lens")?;
+) -> Result<()> {
+    let total = lens_check("reduce_scatter_v", n, lens, "lens")?;
     for &l in lens {
         dtype.check_len(l, "reduce_scatter_v block")?;
     }
-    if lens[me] != output.len() || o[n] != input.len() {
+    if lens[me] != output.len() || total != input.len() {
         return Err(Error::InvalidArgument(format!(
             "reduce_scatter_v: rank {me}'s output has {} B where lens says {} B, and the input \
              {} B where lens sums to {} B",
             output.len(),
             lens[me],
             input.len(),
-            o[n]
+            total
         )));
     }
-    Ok(o)
+    Ok(())
 }
 
 /// Checks a batch's peers.

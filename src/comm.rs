@@ -3,9 +3,11 @@
 use crate::api::{
     check_all_gather, check_all_gather_v, check_all_reduce, check_all_to_all, check_all_to_allv,
     check_batch, check_gather, check_peer, check_reduce_scatter_v, check_root, check_scatter,
-    check_sum_scatter, Communicator, P2p,
+    check_sum_scatter, offsets_onto, Communicator, P2p,
 };
-use crate::collectives::{bcast, direct, exchange, halving, hier, p2p, ring, rooted, tuning};
+use crate::collectives::{
+    bcast, direct, exchange, halving, hier, p2p, ring, rooted, tuning, Scratch,
+};
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Peer, Result};
@@ -880,8 +882,7 @@ impl Communicator for Comm {
         output: &mut [u8],
         recv_lens: &[usize],
     ) -> Result<()> {
-        let (so, ro) =
-            check_all_to_allv(self.rank, self.size, input, send_lens, output, recv_lens)?;
+        check_all_to_allv(self.rank, self.size, input, send_lens, output, recv_lens)?;
         if self.size == 1 {
             self.alone("all_to_allv")?;
             crate::copy::copy(output, input);
@@ -892,17 +893,15 @@ impl Communicator for Comm {
             OpDesc::new(OpKind::AllToAllV, 0),
             Scope::All,
             |l, scratch| {
-                let (send_at, recv_at) =
-                    (rooted::BlockAt::Listed(&so), rooted::BlockAt::Listed(&ro));
-                rooted::all_to_all(
-                    l,
-                    input,
-                    send_at,
-                    output,
-                    recv_at,
-                    false,
-                    &mut scratch.counters,
-                )
+                let Scratch {
+                    index, counters, ..
+                } = scratch;
+                index.clear();
+                offsets_onto(send_lens, index);
+                offsets_onto(recv_lens, index);
+                let (so, ro) = index.split_at(send_lens.len() + 1);
+                let (send_at, recv_at) = (rooted::BlockAt::Listed(so), rooted::BlockAt::Listed(ro));
+                rooted::all_to_all(l, input, send_at, output, recv_at, false, counters)
             },
         )
     }
@@ -964,17 +963,20 @@ impl Communicator for Comm {
     }
 
     fn all_gather_v(&self, input: &[u8], output: &mut [u8], lens: &[usize]) -> Result<()> {
-        let offs = check_all_gather_v(self.rank, self.size, input, output, lens)?;
+        check_all_gather_v(self.rank, self.size, input, output, lens)?;
         if self.size == 1 {
             self.alone("all_gather_v")?;
             crate::copy::copy(output, input);
             return Ok(());
         }
         let desc = OpDesc::new(OpKind::AllGatherV, output.len());
-        self.with_link(desc, Scope::All, |l, _| {
+        self.with_link(desc, Scope::All, |l, scratch| {
+            let offs = &mut scratch.index;
+            offs.clear();
+            offsets_onto(lens, offs);
             let r = l.rank();
             crate::copy::copy(&mut output[offs[r]..offs[r + 1]], input);
-            ring::all_gather_in(l, output, ring::Chunks::listed(&offs, 1))
+            ring::all_gather_in(l, output, ring::Chunks::listed(offs, 1))
         })
     }
 
@@ -986,7 +988,7 @@ impl Communicator for Comm {
         output: &mut [u8],
         lens: &[usize],
     ) -> Result<()> {
-        let offs = check_reduce_scatter_v(self.rank, self.size, dtype, input, output, lens)?;
+        check_reduce_scatter_v(self.rank, self.size, dtype, input, output, lens)?;
         if self.size == 1 {
             self.alone("reduce_scatter_v")?;
             crate::copy::copy(output, input);
@@ -998,12 +1000,15 @@ impl Communicator for Comm {
             ..OpDesc::new(OpKind::ReduceScatterV, input.len())
         };
         self.with_link(desc, Scope::All, |l, scratch| {
-            scratch.clear();
-            scratch.extend_from_slice(input);
-            let parts = ring::Chunks::listed(&offs, dtype.size());
-            ring::reduce_scatter_in(l, op, dtype, scratch, parts)?;
+            let Scratch { bytes, index, .. } = scratch;
+            index.clear();
+            offsets_onto(lens, index);
+            bytes.clear();
+            bytes.extend_from_slice(input);
+            let parts = ring::Chunks::listed(index, dtype.size());
+            ring::reduce_scatter_in(l, op, dtype, bytes, parts)?;
             let r = l.rank();
-            crate::copy::copy(output, &scratch[offs[r]..offs[r + 1]]);
+            crate::copy::copy(output, &bytes[index[r]..index[r + 1]]);
             Ok(())
         })
     }
@@ -1039,7 +1044,7 @@ impl Communicator for Comm {
             from: from.ranks(),
         };
         self.with_link(OpDesc::new(OpKind::Batch, 0), scope, |l, scratch| {
-            let crate::collectives::Scratch {
+            let Scratch {
                 index, counters, ..
             } = scratch;
             index.clear();

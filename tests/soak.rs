@@ -292,6 +292,33 @@ struct Round {
     sr_got: Vec<u8>,
     /// Two blocks from the previous rank, through one batch.
     batch_got: Vec<u8>,
+    /// all_to_allv's send and receive lengths (rank `from` sends `vlen(from, to)` bytes) and
+    /// buffers; all_gather_v's and reduce_scatter_v's lengths and buffers.
+    send_lens: Vec<usize>,
+    recv_lens: Vec<usize>,
+    a2av_in: Vec<u8>,
+    a2av_out: Vec<u8>,
+    v_lens: Vec<usize>,
+    agv_out: Vec<u8>,
+    rsv_in: Vec<f32>,
+    rsv_out: Vec<f32>,
+}
+
+/// Rank `r`'s all_to_allv input: its block to each rank in turn.
+fn a2av_input(r: usize, n: usize) -> Vec<u8> {
+    (0..n)
+        .flat_map(|q| (0..vlen(r, q)).map(move |i| pat(r, q, i)))
+        .collect()
+}
+
+/// Bytes rank `from` sends rank `to` in all_to_allv.
+fn vlen(from: usize, to: usize) -> usize {
+    8 * (from + 2 * to + 1)
+}
+
+/// Rank q's block length (bytes) in all_gather_v and reduce_scatter_v (whole f32s).
+fn qlen(q: usize) -> usize {
+    16 * (q + 1)
 }
 
 /// Byte i of what rank `from` sends rank `to` in the exchange-based operations.
@@ -330,6 +357,16 @@ impl Round {
             red_large: init.clone(),
             sr_got: vec![0; BLOCK],
             batch_got: vec![0; 2 * BLOCK],
+            send_lens: (0..n).map(|q| vlen(r, q)).collect(),
+            recv_lens: (0..n).map(|q| vlen(q, r)).collect(),
+            a2av_in: a2av_input(r, n),
+            a2av_out: vec![0; (0..n).map(|q| vlen(q, r)).sum()],
+            v_lens: (0..n).map(qlen).collect(),
+            agv_out: vec![0; (0..n).map(qlen).sum()],
+            rsv_in: (0..(0..n).map(qlen).sum::<usize>() / 4)
+                .map(|i| (r + i) as f32)
+                .collect(),
+            rsv_out: vec![0.0; qlen(r) / 4],
             init,
         }
     }
@@ -375,6 +412,23 @@ impl Round {
             &self.a2a_in[next * BLOCK..(next + 1) * BLOCK],
             prev,
             &mut self.sr_got,
+        )
+        .unwrap();
+        c.all_to_allv(
+            &self.a2av_in,
+            &self.send_lens,
+            &mut self.a2av_out,
+            &self.recv_lens,
+        )
+        .unwrap();
+        c.all_gather_v(&self.a2av_in[..qlen(r)], &mut self.agv_out, &self.v_lens)
+            .unwrap();
+        c.reduce_scatter_v(
+            AllReduce::Sum,
+            DType::f32,
+            bytemuck::cast_slice(&self.rsv_in),
+            bytemuck::cast_slice_mut(&mut self.rsv_out),
+            &self.v_lens,
         )
         .unwrap();
         // Two messages each way with the ring's neighbours, one batch (order kept per peer).
@@ -473,8 +527,34 @@ fn hot_path_body() {
         &want[..],
         "batch's second from {prev}"
     );
+    let mut at = 0;
+    for q in 0..n {
+        let want: Vec<u8> = (0..vlen(q, r)).map(|i| pat(q, r, i)).collect();
+        assert_eq!(
+            &round.a2av_out[at..at + want.len()],
+            &want[..],
+            "all_to_allv from {q}"
+        );
+        at += want.len();
+    }
+    let mut at = 0;
+    for q in 0..n {
+        // Rank q's all_gather_v block: the start of its all_to_allv input.
+        let want = &a2av_input(q, n)[..qlen(q)];
+        assert_eq!(
+            &round.agv_out[at..at + qlen(q)],
+            want,
+            "all_gather_v of {q}"
+        );
+        at += qlen(q);
+    }
+    let first: usize = (0..r).map(qlen).sum::<usize>() / 4;
+    for (j, x) in round.rsv_out.iter().enumerate() {
+        let want: f32 = (0..n).map(|p| (p + first + j) as f32).sum();
+        assert_eq!(*x, want, "reduce_scatter_v element {j}");
+    }
     println!(
-        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 14 operations",
+        "rank {r} of {n} ({}): {} allocations, {} bytes in {ROUNDS} rounds of 17 operations",
         c.device().unwrap_or_default(),
         info.count_total,
         info.bytes_total
