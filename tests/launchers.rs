@@ -51,10 +51,15 @@ fn rank_body() {
 /// A rank under a launcher whose configuration may be bad: prints the error it got (and exits
 /// 0, so that the launcher does not kill the others before they say theirs).
 fn error_body() {
-    match Comm::from_env() {
-        Ok(c) => println!("unexpected: rank {} formed a communicator", c.rank()),
-        Err(e) => println!("\nerror: {e}"),
-    }
+    use std::io::Write;
+    let line = match Comm::from_env() {
+        Ok(c) => format!("\nunexpected: rank {} formed a communicator\n", c.rank()),
+        Err(e) => format!("\nerror: {e}\n"),
+    };
+    // One write to stderr (unbuffered; the test harness writes to stdout): the launcher
+    // forwards what ranks write as it comes, so a line written in pieces can be split by
+    // another rank's output.
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// The transports the launcher tests run over: RDMA in the VM stage, else TCP and the one
