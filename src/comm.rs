@@ -16,8 +16,8 @@ use crate::transport::rendezvous::Card;
 use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 struct Inner {
@@ -43,49 +43,6 @@ pub(crate) fn this_thread() -> u64 {
     ID.with(|id| *id)
 }
 
-/// The non-blocking operations of a scope not yet finished, and the callers waiting for none.
-/// Counted without a lock (a blocking call outside a scope reads one atomic); a wake-up, a
-/// system call, is made only for a waiter.
-#[derive(Debug, Default)]
-pub(crate) struct Started {
-    count: AtomicUsize,
-    waiting: AtomicUsize,
-    lock: Mutex<()>,
-    drained: Condvar,
-}
-
-impl Started {
-    /// One more operation started.
-    pub(crate) fn add(&self) {
-        self.count.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// One finished: wakes the callers waiting for none, if it was the last.
-    pub(crate) fn done(&self) {
-        // SeqCst on both sides: a waiter that registered before our decrement is seen here, or
-        // it sees the count at zero itself.
-        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 && self.waiting.load(Ordering::SeqCst) > 0
-        {
-            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.drained.notify_all();
-        }
-    }
-
-    /// Until no started operation is unfinished.
-    fn wait_none(&self) {
-        if self.count.load(Ordering::SeqCst) == 0 {
-            return;
-        }
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        while self.count.load(Ordering::SeqCst) > 0 {
-            g = self.drained.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-        drop(g);
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
 /// device exists, over TCP (`RDMACOMM_TRANSPORT`).
 ///
@@ -108,8 +65,9 @@ pub struct Comm {
     me: Peer,
     /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
     pub(crate) executor: AtomicU64,
-    /// Non-blocking operations started and not yet finished; a blocking one waits for none.
-    pub(crate) pending: Started,
+    /// The open [`Comm::overlap`] scope's queue (null: none), for blocking calls to run the
+    /// operations started before them first.
+    pub(crate) scope: AtomicPtr<()>,
     /// When they may move (always, or only inside the caller's calls).
     pub(crate) gate: Arc<crate::overlap::gate::Gate>,
     algo: Mutex<Algo>,
@@ -171,7 +129,7 @@ impl Comm {
             abort_request,
             me,
             executor: AtomicU64::new(0),
-            pending: Started::default(),
+            scope: AtomicPtr::new(std::ptr::null_mut()),
             gate: Default::default(),
             rank: cfg.rank,
             size: cfg.world_size,
@@ -458,11 +416,7 @@ impl Comm {
     /// operations started before have finished (operations run in call order). Each is bounded
     /// by the timeout.
     fn wait_started_ones(&self) {
-        if crate::overlap::in_job() {
-            return;
-        }
-        let _free = self.gate.waiting();
-        self.pending.wait_none();
+        crate::overlap::wait_started(self);
     }
 
     fn poison(&self, e: &Error) {

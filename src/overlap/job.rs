@@ -1,0 +1,79 @@
+//! One started operation in one allocation: its closure until it runs, then its result until
+//! its handle takes it.
+
+use super::queue::Queue;
+use crate::comm::Comm;
+use crate::error::{Error, Result};
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// A started operation as the queue runs it.
+pub(super) trait Job<'env>: Send + Sync {
+    /// Runs the operation (once) and leaves its result for the handle.
+    fn run(&self, queue: &Queue<'env>);
+}
+
+/// A started operation as its handle sees it.
+pub(super) trait Done<B>: Send + Sync {
+    /// The result, taken once the queue says the operation finished.
+    ///
+    /// # Safety
+    /// Only the operation's one handle calls this, after it saw the operation finished.
+    unsafe fn take(&self) -> Option<Result<B>>;
+}
+
+/// The closure, then the result. Both are touched by one thread at a time, handed over by the
+/// queue: the token's holder takes the closure and writes the result, then publishes the
+/// operation as finished; the handle reads the result only after it has seen that.
+pub(super) struct Cell<F, B> {
+    op: UnsafeCell<Option<F>>,
+    result: UnsafeCell<Option<Result<B>>>,
+}
+
+// SAFETY: the fields are accessed only as described above (the queue's token and its finished
+// count order the accesses), and `F` and `B` may move between threads.
+unsafe impl<F: Send, B: Send> Sync for Cell<F, B> {}
+
+impl<F, B> Cell<F, B> {
+    pub(super) fn new(op: F) -> Self {
+        Cell {
+            op: UnsafeCell::new(Some(op)),
+            result: UnsafeCell::new(None),
+        }
+    }
+}
+
+impl<F: Send, B: Send> Done<B> for Cell<F, B> {
+    unsafe fn take(&self) -> Option<Result<B>> {
+        // SAFETY: per this function's contract the runner has written the result and writes no
+        // more, and nobody else reads it.
+        unsafe { (*self.result.get()).take() }
+    }
+}
+
+impl<'env, B, F> Job<'env> for Cell<F, B>
+where
+    B: Send + 'env,
+    F: FnOnce(&Comm) -> (Result<()>, B) + Send + 'env,
+{
+    fn run(&self, queue: &Queue<'env>) {
+        let comm = queue.comm;
+        // SAFETY: the caller holds the queue's token and has taken this operation off it, so no
+        // other thread touches the closure, and the handle does not read the result yet.
+        let Some(op) = (unsafe { &mut *self.op.get() }).take() else {
+            return;
+        };
+        let r = match catch_unwind(AssertUnwindSafe(|| op(comm))) {
+            Ok((r, b)) => r.map(|()| b),
+            // The operation poisoned the communicator and told the peers.
+            Err(_) => comm.check_usable().and(Err(Error::Poisoned(
+                "a non-blocking operation panicked".into(),
+            ))),
+        };
+        if let Err(e) = &r {
+            queue.failed(e);
+        }
+        // SAFETY: as above; the queue publishes the operation as finished after this returns.
+        unsafe { *self.result.get() = Some(r) };
+    }
+}
