@@ -416,7 +416,10 @@ impl Comm {
     /// operations started before have finished (operations run in call order). Each is bounded
     /// by the timeout.
     fn wait_started_ones(&self) {
-        crate::overlap::wait_started(self);
+        // Only the scope's own thread (the owner) may run its operations.
+        if self.owner.load(Ordering::Relaxed) == this_thread() {
+            crate::overlap::wait_started(self);
+        }
     }
 
     fn poison(&self, e: &Error) {

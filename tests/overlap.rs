@@ -404,7 +404,7 @@ fn abort_ends_every_pending_call_on_every_rank() {
 /// progress thread to look (which, while every operation is run by its own waiter, it does only
 /// every 20 ms). 20 rounds of 16 started-and-waited operations and a pause (after which the
 /// progress thread looks seldom), then one started, a blocking one timed, and the wait: a few
-/// microseconds each, against ~10 ms when the blocking call waited for the progress thread.
+/// microseconds each, where it used to wait for the progress thread's next look.
 #[test]
 fn a_blocking_call_runs_the_operations_started_before_it() {
     let c = Comm::new(&rdmacomm::Config::defaults(0, 1, "127.0.0.1:9")).unwrap();

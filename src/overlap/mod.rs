@@ -38,7 +38,7 @@ pub(crate) fn in_job() -> bool {
     IN_JOB.with(|j| j.get())
 }
 
-/// A blocking call on `comm` from its owning thread: first the non-blocking operations started
+/// A blocking call on `comm` from its owning thread (the caller's check): first the non-blocking operations started
 /// before it run to their end (operations run in call order), here where nobody runs them.
 pub(crate) fn wait_started(comm: &Comm) {
     if in_job() {
@@ -49,9 +49,8 @@ pub(crate) fn wait_started(comm: &Comm) {
         return;
     }
     // SAFETY: an open scope points `comm.scope` at its queue and clears it before the queue
-    // drops; this runs on the scope's own thread (the owner: other threads fail the thread
-    // check first, and the progress thread calls only inside operations), so the scope cannot
-    // end meanwhile. The lifetime is erased for this call only.
+    // drops; the caller is the owner, the thread the scope runs on, so the scope cannot end
+    // meanwhile. The lifetime is erased for this call only.
     unsafe { &*q.cast::<Queue<'static>>() }.drain();
 }
 
@@ -78,7 +77,8 @@ impl Track for Queue<'_> {
 
 /// An operation started in an [`Overlap`] scope. [`Pending::wait`] returns its result and hands
 /// back its output buffer; dropping it without waiting waits. It cannot outlive the scope's
-/// closure, and a forgotten one is waited for by the scope's end.
+/// closure, and a forgotten one is waited for by the scope's end (its allocation, tens of
+/// bytes, is leaked, as `mem::forget` leaks).
 #[must_use = "an operation's error is seen by waiting on it (or at the end of its scope)"]
 pub struct Pending<'s, B> {
     /// The operation's allocation, freed here once the queue has finished it.
@@ -243,13 +243,11 @@ impl Comm {
             Ok(r) => r,
             Err(panic) => std::panic::resume_unwind(panic),
         };
-        if let Some(first) = q.failure() {
+        if let Some(why) = q.failure() {
             self.check_usable()?;
-            if let Some(why) = first {
-                return Err(Error::InvalidArgument(format!(
-                    "a non-blocking operation failed: {why}"
-                )));
-            }
+            return Err(Error::InvalidArgument(format!(
+                "a non-blocking operation failed: {why}"
+            )));
         }
         Ok(r)
     }
@@ -266,7 +264,7 @@ impl<'env> Overlap<'env> {
         &self,
         op: impl FnOnce(&Comm) -> (Result<()>, B) + Send + 'env,
     ) -> Result<Pending<'_, B>> {
-        self.comm.check_thread(&"a non-blocking operation")?;
+        // No thread check: an `Overlap` cannot leave the thread that opened the scope.
         self.comm.check_usable()?;
         let cell = NonNull::from(Box::leak(Box::new(Cell::new(op))));
         let job: NonNull<dyn Job<'env> + 'env> = cell;

@@ -62,8 +62,7 @@ pub(crate) struct Queue<'env> {
     waiter: Mutex<()>,
     woken: Condvar,
     sleeping: AtomicBool,
-    /// Whether an operation failed, and the first failure in words.
-    failed: AtomicBool,
+    /// The first failure of an operation, in words.
     first_error: Mutex<Option<String>>,
 }
 
@@ -93,7 +92,6 @@ impl<'env> Queue<'env> {
             waiter: Mutex::new(()),
             woken: Condvar::new(),
             sleeping: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
             first_error: Mutex::new(None),
         }
     }
@@ -137,21 +135,18 @@ impl<'env> Queue<'env> {
 
     /// Records a failed operation.
     pub(super) fn failed(&self, e: &Error) {
-        self.failed.store(true, Ordering::Release);
         self.first_error
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get_or_insert_with(|| e.to_string());
     }
 
-    /// Whether an operation failed, and the first failure in words.
-    pub(super) fn failure(&self) -> Option<Option<String>> {
-        self.failed.load(Ordering::Acquire).then(|| {
-            self.first_error
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-        })
+    /// The first failure of an operation, in words.
+    pub(super) fn failure(&self) -> Option<String> {
+        self.first_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Takes the token and runs the next operation, if there is one and nobody runs one;
