@@ -37,10 +37,19 @@ enum Poison {
 }
 
 /// A number for the calling thread, unique for the life of the process.
+#[inline]
 pub(crate) fn this_thread() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local!(static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
-    ID.with(|id| *id)
+    // Zero until first asked (a const initialiser: no lazy-init check on each call).
+    thread_local!(static ID: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+    ID.with(|id| match id.get() {
+        0 => {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            id.set(n);
+            n
+        }
+        n => n,
+    })
 }
 
 /// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
@@ -179,11 +188,17 @@ impl Comm {
 
     /// Fails unless the calling thread owns this communicator (or runs its non-blocking
     /// operations).
+    #[inline]
     pub(crate) fn check_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
         let me = this_thread();
         if self.owner.load(Ordering::Relaxed) == me || self.executor.load(Ordering::Relaxed) == me {
             return Ok(());
         }
+        self.wrong_thread(what)
+    }
+
+    #[cold]
+    fn wrong_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
         let t = std::thread::current();
         Err(Error::WrongThread(format!(
             "rank {}: {what} was called from thread {:?}, but this communicator runs the \
@@ -338,7 +353,8 @@ impl Comm {
     }
 
     /// Who moves the operations of [`Comm::overlap`] (`RDMACOMM_PROGRESS`).
-    pub(crate) fn progress_mode(&self) -> crate::config::Progress {
+    /// How [`Comm::overlap`] moves its operations (`RDMACOMM_PROGRESS`).
+    pub fn progress(&self) -> crate::config::Progress {
         self.cfg.progress
     }
 
@@ -415,6 +431,7 @@ impl Comm {
     /// On the owning thread, inside an [`Comm::overlap`] scope: waits until the non-blocking
     /// operations started before have finished (operations run in call order). Each is bounded
     /// by the timeout.
+    #[inline]
     fn wait_started_ones(&self) {
         // Only the scope's own thread (the owner) may run its operations.
         if self.owner.load(Ordering::Relaxed) == this_thread() {
@@ -445,10 +462,16 @@ impl Comm {
         }
     }
 
+    #[inline]
     pub(crate) fn check_usable(&self) -> Result<()> {
         if !self.is_poisoned.load(Ordering::Acquire) {
             return Ok(());
         }
+        self.poisoned_error()
+    }
+
+    #[cold]
+    fn poisoned_error(&self) -> Result<()> {
         match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(Poison::Failed(why)) => Err(Error::Poisoned(why.clone())),
             Some(Poison::Aborted { by, reason }) => Err(Error::Aborted {
@@ -608,17 +631,15 @@ impl exchange::Plan for Batch<'_, '_> {
     }
 }
 
-impl Communicator for Comm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
-        check_all_reduce(dtype, data)?;
+impl Comm {
+    /// [`Communicator::all_reduce`] once its arguments have passed `check_all_reduce` (a
+    /// started one is checked when it starts).
+    pub(crate) fn all_reduce_checked(
+        &self,
+        op: AllReduce,
+        dtype: DType,
+        data: &mut [u8],
+    ) -> Result<()> {
         if self.size == 1 {
             return self.alone("all_reduce");
         }
@@ -660,6 +681,21 @@ impl Communicator for Comm {
                 rest = tail;
             }
         })
+    }
+}
+
+impl Communicator for Comm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
+        check_all_reduce(dtype, data)?;
+        self.all_reduce_checked(op, dtype, data)
     }
 
     fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {

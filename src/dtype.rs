@@ -92,15 +92,23 @@ impl DType {
     }
 
     /// Checks that `len` bytes hold whole elements of this dtype.
+    #[inline]
     pub fn check_len(self, len: usize, what: &str) -> Result<usize> {
-        if len % self.size() != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{what} has {len} bytes, not a multiple of the {} element size {}",
-                self.name(),
-                self.size()
-            )));
+        // Sizes are powers of two: a mask and a shift, not a division, on every call.
+        let shift = self.size().trailing_zeros();
+        if len & (self.size() - 1) != 0 {
+            return Err(self.not_whole(len, what));
         }
-        Ok(len / self.size())
+        Ok(len >> shift)
+    }
+
+    #[cold]
+    fn not_whole(self, len: usize, what: &str) -> Error {
+        Error::InvalidArgument(format!(
+            "{what} has {len} bytes, not a multiple of the {} element size {}",
+            self.name(),
+            self.size()
+        ))
     }
 }
 
@@ -145,5 +153,26 @@ impl AllReduce {
             "max" => AllReduce::Max,
             _ => return Err(Error::InvalidArgument(format!("unknown reduction {s:?}"))),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mask-and-shift check against division, for every dtype and length.
+    #[test]
+    fn check_len_agrees_with_division() {
+        for d in DType::ALL {
+            for len in 0..67 {
+                match d.check_len(len, "buffer") {
+                    Ok(n) => assert!(len % d.size() == 0 && n == len / d.size(), "{d:?} {len}"),
+                    Err(e) => {
+                        assert!(len % d.size() != 0, "{d:?} {len}");
+                        assert!(e.to_string().contains(&format!("{len} bytes")));
+                    }
+                }
+            }
+        }
     }
 }

@@ -598,7 +598,7 @@ fn paired_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm::
             let q = |v: &[f64], f: f64| v[((v.len() - 1) as f64 * f).round() as usize];
             if c.rank() == 0 {
                 println!(
-                    "  {bytes:>10} {calls:>6} {:>11.2} {:>11.2} {:>8.3} {:>8.3} {:>8.3}",
+                    "  {bytes:>10} {calls:>6} {:>11.3} {:>11.3} {:>8.3} {:>8.3} {:>8.3}",
                     q(&bl, 0.5),
                     q(&nb, 0.5),
                     q(&ratio, 0.5),
@@ -631,8 +631,8 @@ fn overlap_sweep(c: &Comm, o: &Opts, sizes: &[usize], a: &mut [u8]) -> rdmacomm:
             c.device().unwrap_or_default(),
             o.dtype.name(),
             o.iters,
-            match std::env::var("RDMACOMM_PROGRESS").as_deref() {
-                Ok("caller") => "the caller's tests",
+            match c.progress() {
+                rdmacomm::Progress::Caller => "the caller's tests",
                 _ => "a thread",
             }
         );

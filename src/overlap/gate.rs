@@ -63,6 +63,7 @@ impl Gate {
 
     /// A caller waits on the operations: they run freely until the guard drops (None, at the
     /// cost of one load, where they always do).
+    #[inline]
     pub(crate) fn waiting(&self) -> Option<Waiting<'_>> {
         if !self.held.load(Ordering::Acquire) {
             return None;
@@ -75,6 +76,7 @@ impl Gate {
 
     /// A test: lets the runner go on until its operations would wait on a peer or it has none
     /// left to run, then returns (at once where the operations always move).
+    #[inline]
     pub(crate) fn test(&self) {
         if !self.held.load(Ordering::Acquire) {
             return;
@@ -89,6 +91,7 @@ impl Gate {
     }
 
     /// The runner, before it takes an operation: returns once it may run one.
+    #[inline]
     pub(crate) fn enter(&self) {
         if !self.held.load(Ordering::Acquire) {
             return;

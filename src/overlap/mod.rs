@@ -20,7 +20,7 @@ use crate::config::Progress;
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
 use crate::tensor::Element;
-use job::{Cell, Done, Job};
+use job::{Cell, Done};
 use queue::Queue;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -40,6 +40,7 @@ pub(crate) fn in_job() -> bool {
 
 /// A blocking call on `comm` from its owning thread (the caller's check): first the non-blocking operations started
 /// before it run to their end (operations run in call order), here where nobody runs them.
+#[inline]
 pub(crate) fn wait_started(comm: &Comm) {
     if in_job() {
         return;
@@ -62,6 +63,7 @@ trait Track {
 }
 
 impl Track for Queue<'_> {
+    #[inline]
     fn is_finished(&self, pos: usize) -> bool {
         Queue::is_finished(self, pos)
     }
@@ -162,7 +164,7 @@ impl Comm {
     where
         F: FnOnce(&Overlap<'env>) -> R,
     {
-        self.overlap_with(self.progress_mode(), f)
+        self.overlap_with(self.progress(), f)
     }
 
     /// [`Comm::overlap`] with its operations moved as `progress` says. With
@@ -267,10 +269,9 @@ impl<'env> Overlap<'env> {
         // No thread check: an `Overlap` cannot leave the thread that opened the scope.
         self.comm.check_usable()?;
         let cell = NonNull::from(Box::leak(Box::new(Cell::new(op))));
-        let job: NonNull<dyn Job<'env> + 'env> = cell;
         // SAFETY: the allocation is freed only by the handle's drop, after the queue has
         // finished it (or never, if the handle is forgotten).
-        let pos = unsafe { self.queue.push(job) };
+        let pos = unsafe { self.queue.push(cell) };
         Ok(Pending {
             cell,
             pos,
@@ -285,13 +286,15 @@ impl<'env> Overlap<'env> {
         data: &'env mut [T],
         op: AllReduce,
     ) -> Result<Pending<'_, &'env mut [T]>> {
+        // Whole elements of `T::DTYPE` by their type.
         self.start(move |c| {
-            let r = c.all_reduce(op, T::DTYPE, bytemuck::cast_slice_mut(data));
+            let r = c.all_reduce_checked(op, T::DTYPE, bytemuck::cast_slice_mut(data));
             (r, data)
         })
     }
 
     /// Starts [`Communicator::all_reduce`] of `data` as bytes of `dtype`.
+    #[inline]
     pub fn all_reduce_bytes(
         &self,
         op: AllReduce,
@@ -299,7 +302,7 @@ impl<'env> Overlap<'env> {
         data: &'env mut [u8],
     ) -> Result<Pending<'_, &'env mut [u8]>> {
         check_all_reduce(dtype, data)?;
-        self.start(move |c| (c.all_reduce(op, dtype, data), data))
+        self.start(move |c| (c.all_reduce_checked(op, dtype, data), data))
     }
 
     /// Starts [`Communicator::all_gather`] of `input` into `output` (handed back).
@@ -432,6 +435,7 @@ impl<'env> Overlap<'env> {
     }
 
     /// Starts [`Communicator::barrier`].
+    #[inline]
     pub fn barrier(&self) -> Result<Pending<'_, ()>> {
         self.start(move |c| (c.barrier(), ()))
     }

@@ -117,6 +117,7 @@ impl<'env> Queue<'env> {
     }
 
     /// Whether the operation at `pos` has finished (then its job is no longer touched).
+    #[inline]
     pub(super) fn is_finished(&self, pos: usize) -> bool {
         self.finished.load(Ordering::Acquire) > pos
     }
