@@ -404,7 +404,7 @@ impl Comm {
         link.start(&desc, scope);
         let scratch = &mut inner.scratch;
         let r = catch_unwind(AssertUnwindSafe(|| {
-            f(&mut *link, scratch).and_then(|v| link.finish().map(|_| v))
+            f(&mut *link, scratch).and_then(|v| crate::collectives::pause::finish(link).map(|_| v))
         }));
         link.release();
         match r {

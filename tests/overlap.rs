@@ -438,3 +438,69 @@ fn a_blocking_call_runs_the_operations_started_before_it() {
         "20 blocking calls took {blocked:?}"
     );
 }
+
+/// Rank 0 sends one 16 MiB chunk (`RDMACOMM_TCP_CHUNK`, more than the sockets hold) under caller
+/// progress to rank 1, which is late by `LATE`, and carries it by `test()` alone: no test may
+/// wait for the late peer (the data still queued for it leaves through the operation's waits,
+/// where a test stops). Rank 1 checks every element.
+fn late_peer_body() {
+    const LATE: Duration = Duration::from_millis(1500);
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let len = (16 << 20) / 4;
+    c.barrier().unwrap();
+    if r == 1 {
+        std::thread::sleep(LATE);
+        let mut got = vec![0f32; len];
+        c.recv(0, bytemuck::cast_slice_mut(&mut got)).unwrap();
+        assert_eq!(got, filled(7, 0, len), "rank 1: the data from rank 0");
+        return;
+    }
+    let data = filled(7, 0, len);
+    let (tests, longest) = c
+        .overlap_with(
+            Progress::Caller,
+            |s| -> rdmacomm::Result<(usize, Duration)> {
+                let p = s.send(1, &data)?;
+                let (mut tests, mut longest) = (0, Duration::ZERO);
+                loop {
+                    let t = Instant::now();
+                    let done = p.test();
+                    longest = longest.max(t.elapsed());
+                    tests += 1;
+                    if done {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                p.wait()?;
+                Ok((tests, longest))
+            },
+        )
+        .unwrap()
+        .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    println!("RESULT rank 0: {tests} tests, the longest {longest:?}");
+    assert!(
+        longest < LATE / 4,
+        "a test() waited {longest:?} for the late peer"
+    );
+}
+
+#[test]
+fn a_test_does_not_wait_for_a_late_peer() {
+    let name = "a_test_does_not_wait_for_a_late_peer";
+    if !parent_ready(name, late_peer_body) {
+        return;
+    }
+    let res = spawn(
+        name,
+        2,
+        Placement::Local,
+        &|_| vec![("RDMACOMM_TCP_CHUNK".into(), (16 << 20).to_string())],
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&res);
+    for line in res[0].output.lines().filter(|l| l.contains("RESULT")) {
+        println!("{line}");
+    }
+}

@@ -32,3 +32,19 @@ pub(crate) fn wait_on(link: &mut dyn Link, peer: usize) -> Result<()> {
     }
     link.progress(peer)
 }
+
+/// The end of an operation: what is still queued for a peer leaves through [`wait_on`] (where
+/// an operation its caller only tests stops, as at any wait on a late peer), then the link
+/// completes what it posted.
+pub(crate) fn finish(link: &mut dyn Link) -> Result<()> {
+    let mut began = false;
+    while let Some(peer) = link.unsent()? {
+        if !began {
+            // The peer's silence is measured from here, not from the operation's last step.
+            link.begin();
+            began = true;
+        }
+        wait_on(link, peer)?;
+    }
+    link.finish()
+}

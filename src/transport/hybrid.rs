@@ -268,6 +268,10 @@ impl Link for HybridTransport {
         self.net.release();
     }
 
+    fn unsent(&mut self) -> Result<Option<usize>> {
+        self.net.unsent()
+    }
+
     fn finish(&mut self) -> Result<()> {
         self.net.finish()
     }

@@ -100,6 +100,12 @@ pub trait Link {
     /// Ends a lending: after it the transport holds nothing of the lent buffer (called on every
     /// operation's exit, after [`Link::finish`] or an error).
     fn release(&mut self) {}
+    /// A peer for which posted data still waits in this rank's queue (a transport whose posts
+    /// only queue data: TCP), or None. The caller waits on that peer ([`Link::progress`], which
+    /// pushes it out) until there is none.
+    fn unsent(&mut self) -> Result<Option<usize>> {
+        Ok(None)
+    }
     /// Completes everything posted so far before an operation returns (a transport whose posts
     /// only queue data must push it out, or a peer would wait on a rank that has moved on).
     fn finish(&mut self) -> Result<()> {

@@ -357,6 +357,11 @@ impl Link for TcpTransport {
         }
     }
 
+    fn unsent(&mut self) -> Result<Option<usize>> {
+        // What is queued goes out in `progress`, the caller's wait.
+        Ok((0..self.n).find(|&p| self.conns[p].as_ref().is_some_and(|c| !c.out.is_empty())))
+    }
+
     fn finish(&mut self) -> Result<()> {
         self.flush()
     }
