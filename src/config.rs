@@ -659,7 +659,10 @@ fn identity_from(get: Lookup) -> Result<(usize, usize, String)> {
             // Rank 0 publishes it in the launcher's store.
             None if get("PMIX_NAMESPACE").is_some() => String::new(),
             None => match slurm_coordinator(get)? {
-                Some(c) => c,
+                Some(c) => {
+                    slurm_rank0_here(get, rank, &c)?;
+                    c
+                }
                 None => {
                     return Err(Error::Config(format!(
                         "rank {rank} of {size}: no coordinator address, and no PMIx or Slurm \
@@ -688,6 +691,15 @@ fn slurm_coordinator(get: Lookup) -> Result<Option<String>> {
     };
     let host = first_host(&list)
         .ok_or_else(|| Error::Config(format!("SLURM_STEP_NODELIST={list:?}: no host in it")))?;
+    // Block, cyclic and plane distributions put rank 0 on the first node; an arbitrary one
+    // (SLURM_HOSTFILE) may not: every rank says so instead of waiting on an empty address.
+    if let Some(d) = get("SLURM_DISTRIBUTION").filter(|d| d.starts_with("arbitrary")) {
+        return Err(Error::Config(format!(
+            "SLURM_DISTRIBUTION={d}: rank 0 need not run on the step's first node ({host}), \
+             where the ranks would look for it; set MASTER_ADDR to rank 0's host (and \
+             MASTER_PORT), or launch with srun --mpi=pmix"
+        )));
+    }
     let port = match get("MASTER_PORT") {
         Some(p) => p,
         None => {
@@ -701,6 +713,24 @@ fn slurm_coordinator(get: Lookup) -> Result<Option<String>> {
         }
     };
     Ok(Some(format!("{host}:{port}")))
+}
+
+/// Rank 0 under Slurm's first-node address `coordinator`: fails, naming both, where Slurm says
+/// this node (`SLURMD_NODENAME`) is another (the peers would wait on a node nobody listens on).
+fn slurm_rank0_here(get: Lookup, rank: usize, coordinator: &str) -> Result<()> {
+    let (Some(here), Some((first, _))) = (get("SLURMD_NODENAME"), coordinator.rsplit_once(':'))
+    else {
+        return Ok(());
+    };
+    let short = |h: &str| h.split('.').next().unwrap_or(h).to_string();
+    if rank == 0 && short(&here) != short(first) {
+        return Err(Error::Config(format!(
+            "rank 0 runs on {here}, but the ranks look for it on the step's first node \
+             ({first}); set MASTER_ADDR to {here} (and MASTER_PORT), or launch with srun \
+             --mpi=pmix"
+        )));
+    }
+    Ok(())
 }
 
 /// The first host of a Slurm host list (`node[01-04,07],gpu3` gives `node01`; a bracket in each
@@ -908,6 +938,31 @@ mod tests {
             "{port}"
         );
         assert_eq!(discovery_from(&slurm("5", "1"), &c5, 8), Discovery::Slurm);
+        // Rank 0 elsewhere than the first node: an error naming both, at once.
+        let with = |rank: &str, extra: (&'static str, &'static str)| {
+            let t = slurm(rank, "1");
+            identity_from(&move |k: &str| {
+                if k == extra.0 {
+                    Some(extra.1.into())
+                } else {
+                    t(k)
+                }
+            })
+        };
+        let e = with("0", ("SLURMD_NODENAME", "cpu3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cpu3") && e.contains("gpu07") && e.contains("MASTER_ADDR"),
+            "{e}"
+        );
+        assert!(with("0", ("SLURMD_NODENAME", "gpu07.cluster")).is_ok());
+        assert!(with("5", ("SLURMD_NODENAME", "cpu3")).is_ok());
+        let e = with("5", ("SLURM_DISTRIBUTION", "arbitrary"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("arbitrary") && e.contains("MASTER_ADDR"), "{e}");
+        assert!(with("5", ("SLURM_DISTRIBUTION", "cyclic")).is_ok());
         // MASTER_PORT picks the port; MASTER_ADDR makes it an address as given.
         let mut vars = vec![
             ("SLURM_PROCID", "1"),
