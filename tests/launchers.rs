@@ -244,3 +244,50 @@ fn slurm_without_pmix_needs_no_address() {
         }
     }
 }
+
+/// A PMIx server that accepts the connection and never answers (a stale or stuck launcher):
+/// `PMIx_Init` would wait forever; the rank fails after `RDMACOMM_TIMEOUT`, naming it.
+#[test]
+fn a_pmix_server_that_never_answers_is_named() {
+    const NAME: &str = "a_pmix_server_that_never_answers_is_named";
+    if common::is_child(NAME) {
+        return error_body();
+    }
+    let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let uri = format!("silent.0;tcp4://{}", server.local_addr().unwrap());
+    // Holds every connection open, silent, until the test process ends.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in server.incoming().flatten().take(16) {
+            held.push(c);
+        }
+    });
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    for v in CLEARED {
+        c.env_remove(v);
+    }
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PMIX_") || k.starts_with("OMPI_") {
+            c.env_remove(k);
+        }
+    }
+    c.args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env(common::CHILD, NAME)
+        .env("RDMACOMM_TIMEOUT", "2")
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("PMIX_NAMESPACE", "silent")
+        .env("PMIX_RANK", "0")
+        .stdin(Stdio::null());
+    for v in ["41", "4", "3", "21", "2"] {
+        c.env(format!("PMIX_SERVER_URI{v}"), &uri);
+    }
+    let t0 = Instant::now();
+    let (code, out) = run(c, Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("error: bootstrap: PMIx_Init did not return within 2s"),
+        "{out}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}

@@ -53,7 +53,7 @@ pub fn meeting_point(cfg: &Config) -> Result<MeetingPoint> {
             })
         }
         Discovery::Pmix => {
-            let pmix = Pmix::init()?;
+            let pmix = Pmix::init(cfg.timeout)?;
             if pmix.rank() as usize != cfg.rank {
                 return Err(Error::Config(format!(
                     "PMIx says this is rank {} of namespace {}, the launcher's variables say rank \

@@ -81,8 +81,9 @@ unsafe fn sym<F: Copy>(lib: *mut c_void, name: &str) -> Result<F> {
 }
 
 impl Pmix {
-    /// Connects to the launcher's PMIx server (the process's namespace and rank come from it).
-    pub fn init() -> Result<Pmix> {
+    /// Connects to the launcher's PMIx server (the process's namespace and rank come from it),
+    /// failing if it has not answered within `timeout`.
+    pub fn init(timeout: Duration) -> Result<Pmix> {
         let mut lib = std::ptr::null_mut();
         for name in LIBS {
             let c = CString::new(name).expect("a library name without NUL");
@@ -112,12 +113,31 @@ impl Pmix {
                 sym::<DestructFn>(lib, "PMIx_Value_destruct").ok(),
             )
         };
-        let mut me = Proc {
-            nspace: [0; NSPACE],
-            rank: 0,
-        };
-        // SAFETY: `me` is a valid pmix_proc_t to fill; no info is passed.
-        let rc = unsafe { init(&mut me, std::ptr::null_mut(), 0) };
+        // On a thread of its own: a server that accepts but never answers would hold it forever.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("rdmacomm-pmix-init".into())
+            .spawn(move || {
+                let mut me = Proc {
+                    nspace: [0; NSPACE],
+                    rank: 0,
+                };
+                // SAFETY: `me` is a valid pmix_proc_t to fill; no info is passed.
+                let rc = unsafe { init(&mut me, std::ptr::null_mut(), 0) };
+                let _ = tx.send((rc, me));
+            });
+        if let Err(e) = spawned {
+            return Err(Error::Bootstrap(format!(
+                "PMIx_Init: no thread to run it: {e}"
+            )));
+        }
+        let (rc, me) = rx.recv_timeout(timeout).map_err(|_| {
+            Error::Bootstrap(format!(
+                "PMIx_Init did not return within {timeout:?}: the launcher's PMIx server \
+                 (PMIX_SERVER_URI*) does not answer; set RDMACOMM_TIMEOUT to wait longer, or \
+                 MASTER_ADDR to rendezvous without PMIx"
+            ))
+        })?;
         let p = Pmix {
             finalize,
             put,
