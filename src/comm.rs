@@ -353,7 +353,6 @@ impl Comm {
     }
 
     /// Who moves the operations of [`Comm::overlap`] (`RDMACOMM_PROGRESS`).
-    /// How [`Comm::overlap`] moves its operations (`RDMACOMM_PROGRESS`).
     pub fn progress(&self) -> crate::config::Progress {
         self.cfg.progress
     }
