@@ -192,13 +192,28 @@ fn mpirun_bad_setting_on_one_rank_is_named_on_every_rank() {
     assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
 }
 
+/// This test binary as test `name`'s child, without the variables of any launcher around it.
+fn bare_child(name: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    for v in CLEARED {
+        c.env_remove(v);
+    }
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PMIX_") || k.starts_with("OMPI_") {
+            c.env_remove(k);
+        }
+    }
+    c.args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(common::CHILD, name);
+    c
+}
+
 #[test]
 fn slurm_without_pmix_needs_no_address() {
     const NAME: &str = "slurm_without_pmix_needs_no_address";
     if common::is_child(NAME) {
         return rank_body();
     }
-    let exe = std::env::current_exe().unwrap();
     let n = 3;
     // A job id of this run's own, so that the derived port is unlikely to be another's.
     let now = std::time::SystemTime::now()
@@ -208,18 +223,8 @@ fn slurm_without_pmix_needs_no_address() {
     for transport in transports() {
         let mut children = Vec::new();
         for r in 0..n {
-            let mut c = Command::new(&exe);
-            for v in CLEARED {
-                c.env_remove(v);
-            }
-            for (k, _) in std::env::vars() {
-                if k.starts_with("PMIX_") || k.starts_with("OMPI_") {
-                    c.env_remove(k);
-                }
-            }
-            c.args([NAME, "--exact", "--nocapture", "--test-threads=1"])
-                .env(common::CHILD, NAME)
-                .env("RDMACOMM_TRANSPORT", transport)
+            let mut c = bare_child(NAME);
+            c.env("RDMACOMM_TRANSPORT", transport)
                 .env("RDMACOMM_TIMEOUT", "20")
                 .env("SLURM_JOB_ID", job.to_string())
                 .env("SLURM_STEP_ID", "0")
@@ -262,18 +267,8 @@ fn a_pmix_server_that_never_answers_is_named() {
             held.push(c);
         }
     });
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    for v in CLEARED {
-        c.env_remove(v);
-    }
-    for (k, _) in std::env::vars() {
-        if k.starts_with("PMIX_") || k.starts_with("OMPI_") {
-            c.env_remove(k);
-        }
-    }
-    c.args([NAME, "--exact", "--nocapture", "--test-threads=1"])
-        .env(common::CHILD, NAME)
-        .env("RDMACOMM_TIMEOUT", "2")
+    let mut c = bare_child(NAME);
+    c.env("RDMACOMM_TIMEOUT", "2")
         .env("OMPI_COMM_WORLD_RANK", "0")
         .env("OMPI_COMM_WORLD_SIZE", "2")
         .env("PMIX_NAMESPACE", "silent")
