@@ -67,28 +67,21 @@ where
         // The result goes straight into the cell (no copies of it on the way out).
         let ran = catch_unwind(AssertUnwindSafe(|| {
             let (r, b) = op(comm);
-            let failed = r.is_err();
-            // SAFETY: as above; the queue publishes the operation as finished after `run`.
-            unsafe { *result = Some(r.map(|()| b)) };
-            failed
-        }));
-        let failed = match ran {
-            Ok(failed) => failed,
-            Err(_) => {
-                // The operation poisoned the communicator and told the peers.
-                let e = comm.check_usable().and(Err(Error::Poisoned(
-                    "a non-blocking operation panicked".into(),
-                )));
-                // SAFETY: as above.
-                unsafe { *result = Some(e) };
-                true
-            }
-        };
-        if failed {
-            // SAFETY: as above: written just now, read by nobody else yet.
-            if let Some(Err(e)) = unsafe { &*result } {
+            if let Err(e) = &r {
                 queue.failed(e);
             }
+            // SAFETY: as above; the queue publishes the operation as finished after `run`.
+            unsafe { *result = Some(r.map(|()| b)) };
+        }));
+        if ran.is_err() {
+            // The operation poisoned the communicator and told the peers.
+            let e = comm
+                .check_usable()
+                .err()
+                .unwrap_or_else(|| Error::Poisoned("a non-blocking operation panicked".into()));
+            queue.failed(&e);
+            // SAFETY: as above.
+            unsafe { *result = Some(Err(e)) };
         }
     }
 }
