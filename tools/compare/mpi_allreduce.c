@@ -1,8 +1,9 @@
 /* MPI_Allreduce timing sweep (float sum), printed like rdmacomm-perf: size, count, time (us,
  * slowest rank's mean), algbw and busbw (GB/s, nccl-tests definitions: busbw = algbw * 2(n-1)/n).
  * With a sixth argument, alltoall (size: the whole buffer, busbw = algbw * (n-1)/n) or reduce
- * (to rank 0, busbw = algbw) instead.
- * Usage: mpi_allreduce MIN MAX FACTOR ITERS WARMUP [allreduce|alltoall|reduce] */
+ * (to rank 0, busbw = algbw) instead, or iallreduce (MPI_Iallreduce then MPI_Wait at once: the
+ * cost of the non-blocking path beside allreduce).
+ * Usage: mpi_allreduce MIN MAX FACTOR ITERS WARMUP [allreduce|iallreduce|alltoall|reduce] */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,7 +15,11 @@ static void run(float *a, float *b, long sz, int n) {
     int count = (int)(sz / 4);
     if (!strcmp(coll, "alltoall")) MPI_Alltoall(a, count / n, MPI_FLOAT, b, count / n, MPI_FLOAT, MPI_COMM_WORLD);
     else if (!strcmp(coll, "reduce")) MPI_Reduce(a, b, count, MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD);
-    else MPI_Allreduce(a, b, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    else if (!strcmp(coll, "iallreduce")) {
+        MPI_Request req;
+        MPI_Iallreduce(a, b, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
+        MPI_Wait(&req, MPI_STATUS_IGNORE);
+    } else MPI_Allreduce(a, b, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
 }
 
 int main(int argc, char **argv) {
@@ -53,7 +58,7 @@ int main(int argc, char **argv) {
         if (rank == 0) {
             double algbw = sz / worst / 1e3;
             double f = alltoall ? (double)(n - 1) / n : !strcmp(coll, "reduce") ? 1.0 : 2.0 * (n - 1) / n;
-            printf("  %10ld %12d %14.1f %7.4f %7.4f\n", sz, count, worst, algbw, algbw * f);
+            printf("  %10ld %12d %14.3f %7.4f %7.4f\n", sz, count, worst, algbw, algbw * f);
         }
     }
     free(a); free(b);
