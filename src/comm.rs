@@ -856,7 +856,8 @@ impl Communicator for Comm {
             return Ok(());
         }
         let block = input.len() / self.size;
-        let pairwise = block >= tuning::all_to_all_pairwise_min(self.size);
+        let medium = self.medium.expect("a link beyond a world of one");
+        let pairwise = block >= tuning::all_to_all_pairwise_min(medium, self.size);
         let desc = OpDesc {
             algo: u8::from(pairwise),
             ..OpDesc::new(OpKind::AllToAll, block)

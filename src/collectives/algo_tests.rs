@@ -3,7 +3,7 @@
 //! against a scalar re-computation, and bit identity across ranks where rounding depends on order.
 
 use super::mem_link::{bytes, f32s, mesh, on_every_rank, MemLink};
-use super::{bcast, direct, halving, hier, ring, Algo};
+use super::{bcast, direct, halving, hier, ring, rooted, Algo};
 use crate::dtype::{AllReduce, DType};
 use crate::transport::Link as _;
 use std::time::{Duration, Instant};
@@ -141,6 +141,70 @@ fn reduce_scatters_and_all_gather() {
                         d, &want,
                         "all_gather {n} ranks {slots} x {chunk} x{per}: rank {r}"
                     );
+                }
+            }
+        }
+    }
+}
+
+/// Byte i of rank `from`'s block for rank `to` (all_to_all).
+fn a2a_byte(from: usize, to: usize, i: usize) -> u8 {
+    (from * 31 + to * 7 + i) as u8
+}
+
+/// Rank `from`'s block length for rank `to` in the uneven case (some empty).
+fn a2a_len(from: usize, to: usize, per: usize) -> usize {
+    (from + 2 * to) % 3 * per
+}
+
+#[test]
+fn all_to_alls_pairwise_and_at_once() {
+    for n in 2..=9 {
+        for (slots, chunk) in LINKS {
+            for per in [0usize, 1, 700] {
+                for pairwise in [false, true] {
+                    for uneven in [false, true] {
+                        let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                            let r = crate::transport::Link::rank(l);
+                            let len = |f, t| if uneven { a2a_len(f, t, per) } else { per };
+                            let offsets = |by: &dyn Fn(usize) -> usize| {
+                                let mut o = vec![0];
+                                for q in 0..n {
+                                    o.push(o[q] + by(q));
+                                }
+                                o
+                            };
+                            let (so, ro) = (offsets(&|q| len(r, q)), offsets(&|q| len(q, r)));
+                            let input: Vec<u8> = (0..n)
+                                .flat_map(|q| (0..len(r, q)).map(move |i| a2a_byte(r, q, i)))
+                                .collect();
+                            let mut output = vec![0u8; ro[n]];
+                            let (sa, ra) =
+                                (rooted::BlockAt::Listed(&so), rooted::BlockAt::Listed(&ro));
+                            let mut counters = Vec::new();
+                            rooted::all_to_all(
+                                l,
+                                &input,
+                                sa,
+                                &mut output,
+                                ra,
+                                pairwise,
+                                &mut counters,
+                            )
+                            .unwrap();
+                            output
+                        });
+                        for (r, got) in out.iter().enumerate() {
+                            let len = |f, t| if uneven { a2a_len(f, t, per) } else { per };
+                            let want: Vec<u8> = (0..n)
+                                .flat_map(|q| (0..len(q, r)).map(move |i| a2a_byte(q, r, i)))
+                                .collect();
+                            assert!(
+                                got == &want,
+                                "all_to_all (pairwise {pairwise}, uneven {uneven}) {n} ranks {slots} x {chunk} x{per}: rank {r}"
+                            );
+                        }
+                    }
                 }
             }
         }

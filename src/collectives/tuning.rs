@@ -37,16 +37,18 @@ pub fn reduce_tree_max(medium: Medium) -> usize {
     }
 }
 
-/// The smallest block (bytes) from which an all_to_all of `n` ranks exchanges with one peer at
-/// a time (pairwise) instead of with every peer at once. Measured on soft-RoCE with 4 ranks
-/// (docs/BENCHMARKS.md): every peer at once was as fast or faster at every block size (5 paired
-/// rounds, 1-8 MiB blocks); in wider worlds large blocks to every peer at once contend for one
-/// NIC, so there it goes pairwise from 1 MiB blocks, as MPI libraries do.
-pub fn all_to_all_pairwise_min(n: usize) -> usize {
-    if n <= 8 {
-        usize::MAX
-    } else {
-        1 << 20
+/// The smallest block (bytes) from which an all_to_all of `n` ranks over `medium` exchanges
+/// with one peer at a time (pairwise) instead of with every peer at once. Measured with 4 ranks
+/// (docs/BENCHMARKS.md): on soft-RoCE every peer at once was as fast or faster at every block
+/// size (5 paired rounds, 1-8 MiB blocks); over TCP on loopback pairwise wins from 16 MiB
+/// blocks (the kernel copies of three streams at once outgrow the cache). In wider worlds large
+/// blocks to every peer at once contend for one NIC, so there it goes pairwise from 1 MiB
+/// blocks, as MPI libraries do.
+pub fn all_to_all_pairwise_min(medium: Medium, n: usize) -> usize {
+    match medium {
+        _ if n > 8 => 1 << 20,
+        Medium::Tcp => 8 << 20,
+        _ => usize::MAX,
     }
 }
 
@@ -65,5 +67,8 @@ mod tests {
         assert_eq!(slice_bytes(Medium::Tcp), 2 << 20);
         assert_eq!(reduce_tree_max(Medium::Tcp), 64 << 10);
         assert_eq!(reduce_tree_max(Medium::Rdma), 128 << 10);
+        assert_eq!(all_to_all_pairwise_min(Medium::Tcp, 4), 8 << 20);
+        assert_eq!(all_to_all_pairwise_min(Medium::Rdma, 8), usize::MAX);
+        assert_eq!(all_to_all_pairwise_min(Medium::Rdma, 9), 1 << 20);
     }
 }
