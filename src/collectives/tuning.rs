@@ -38,12 +38,11 @@ pub fn reduce_tree_max(medium: Medium) -> usize {
 }
 
 /// The smallest block (bytes) from which an all_to_all of `n` ranks over `medium` exchanges
-/// with one peer at a time (pairwise) instead of with every peer at once. Measured with 4 ranks
-/// (docs/BENCHMARKS.md): on soft-RoCE every peer at once was as fast or faster at every block
-/// size (5 paired rounds, 1-8 MiB blocks); over TCP on loopback pairwise wins from 16 MiB
-/// blocks (the kernel copies of three streams at once outgrow the cache). In wider worlds large
-/// blocks to every peer at once contend for one NIC, so there it goes pairwise from 1 MiB
-/// blocks, as MPI libraries do.
+/// with one peer at a time (pairwise) instead of with every peer at once (measurements in
+/// docs/BENCHMARKS.md, "all_to_all and reduce beside Open MPI"). Over RDMA every peer at once
+/// was as fast or faster at every block size with 4 ranks; over TCP pairwise wins with large
+/// blocks; in wider worlds large blocks to every peer at once contend for one NIC, so there it
+/// goes pairwise from 1 MiB blocks, as MPI libraries do.
 pub fn all_to_all_pairwise_min(medium: Medium, n: usize) -> usize {
     match medium {
         _ if n > 8 => 1 << 20,
