@@ -186,6 +186,27 @@ impl Comm {
         self.split_comm(0, self.rank as i32)
     }
 
+    /// Makes the calling thread the owner without `&mut`: for an adapter that serialises its
+    /// callers under a lock of its own (a framework's transport called from any thread).
+    #[cfg(any(feature = "nuvec", feature = "fuel"))]
+    pub(crate) fn claim(&self) {
+        self.owner.store(this_thread(), Ordering::Relaxed);
+    }
+
+    /// Closes the link now, as dropping the communicator would (the group is told this rank
+    /// leaves; a bounded close barrier), for a communicator a framework never drops; every
+    /// later call fails. Skipped while an operation holds the link.
+    #[cfg(feature = "nuvec")]
+    pub(crate) fn close(&self, why: &str) {
+        self.poison_with(format!("rank {} {why}", self.rank));
+        let link = match self.inner.try_lock() {
+            Ok(mut g) => g.link.take(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().link.take(),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        drop(link);
+    }
+
     /// Fails unless the calling thread owns this communicator (or runs its non-blocking
     /// operations).
     #[inline]
@@ -234,6 +255,11 @@ impl Comm {
         let mut mine = [0u8; 8];
         mine[..4].copy_from_slice(&color.to_le_bytes());
         mine[4..].copy_from_slice(&key.to_le_bytes());
+        if n == 1 {
+            // A world of one splits (and dups) into a world of one.
+            self.alone("split")?;
+            return Ok(Comm::with_link_of(self.cfg.clone(), None, self.algorithm()));
+        }
         self.check_thread(&"split")?;
         let mut all = vec![0u8; 8 * n];
         self.split_step(1, &mine, &mut all)?;
@@ -396,10 +422,10 @@ impl Comm {
         let mut g = self.lock();
         self.check_usable()?;
         let inner = &mut *g;
-        let link = inner
-            .link
-            .as_deref_mut()
-            .expect("world of one handled by the caller");
+        let Some(link) = inner.link.as_deref_mut() else {
+            // A world of one never gets here; a closed communicator is poisoned before.
+            return Err(Error::Poisoned(format!("rank {} has no link", self.rank)));
+        };
         link.start(&desc, scope);
         let scratch = &mut inner.scratch;
         let r = catch_unwind(AssertUnwindSafe(|| {
@@ -1060,7 +1086,7 @@ impl Communicator for Comm {
         let Some(link) = g.link.as_mut() else {
             return Ok(());
         };
-        let r = link.health();
+        let r = link.health().and_then(|()| link.watch_mut().departed());
         if let Err(e) = &r {
             self.poison(e);
         }

@@ -221,7 +221,7 @@ impl Link for HybridTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.net.watch_mut().poll()?;
+                self.net.watch_mut().poll_waiting(waiting_on)?;
                 std::thread::sleep(NAP);
             }
             Wait::Expired => {

@@ -154,7 +154,7 @@ impl Link for ShmTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch.poll()?;
+                self.watch.poll_waiting(waiting_on)?;
                 std::thread::sleep(NAP);
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),

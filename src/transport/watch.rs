@@ -38,6 +38,10 @@ impl AbortRequest {
     }
 }
 
+/// How long a rank may still wait on a peer that closed its communicator: what the peer sent
+/// before closing arrives within it.
+pub const LEAVE_GRACE: Duration = Duration::from_millis(200);
+
 /// Progress calls between reads of the side channel while a transport spins or yields.
 pub const SIDE_POLL_EVERY: u32 = 1024;
 
@@ -223,6 +227,43 @@ impl Watch {
         self.error().map_or(Ok(()), Err)
     }
 
+    /// [`Watch::poll`] while waiting on `p`, after a nap: also fails when `p` closed its
+    /// communicator at least [`LEAVE_GRACE`] ago (time for what it sent before to arrive).
+    pub fn poll_waiting(&mut self, p: usize) -> Result<()> {
+        self.poll()?;
+        match self.side.leaving_since(p) {
+            Some(t) if t.elapsed() >= LEAVE_GRACE && p != self.rank => {
+                Err(self.left(p, "while it still waited on it"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Between operations (health): a peer that closed its communicator is lost to the group.
+    pub fn departed(&mut self) -> Result<()> {
+        self.poll()?;
+        match (0..self.addrs.len())
+            .find(|&p| p != self.rank && self.side.leaving_since(p).is_some())
+        {
+            Some(p) => Err(self.left(p, "before this rank's next operation")),
+            None => Ok(()),
+        }
+    }
+
+    /// Records (and tells the group) that `p` left, seen by this rank `when`.
+    fn left(&mut self, p: usize, when: &str) -> Error {
+        if self.failed.is_none() {
+            let why = format!(
+                "it closed its communicator (dropped it, or its process exited); seen by rank {} \
+                 {when}",
+                self.rank
+            );
+            self.side.abort(p, &why);
+            self.failed = Some((p, why));
+        }
+        self.error().expect("recorded")
+    }
+
     /// [`Watch::poll`] on every [`SIDE_POLL_EVERY`]th call (no clock read: where the clocksource
     /// traps, as under an emulated CPU, reading it every 16 polls took 7% of a small operation's
     /// time); a transport that backs off polls the side channel on every nap instead.
@@ -249,6 +290,7 @@ impl Watch {
             self.side.abort(self.rank, &why);
             return;
         }
+        self.side.leave();
         let _ = self.side.close_barrier(limit);
         self.side.bye();
     }

@@ -36,6 +36,8 @@ pub struct SideChannel {
     stall_since: Option<Instant>,
     /// Whom this rank waits on now, if it is inside an operation.
     pub(crate) waiting: Option<usize>,
+    /// When each rank was learned to be closing its communicator.
+    leaving: Vec<Option<Instant>>,
 }
 
 impl SideChannel {
@@ -224,6 +226,20 @@ impl SideChannel {
                     }
                 }
                 BYE => self.left[r] = true,
+                LEAVING => {
+                    let who = Reader(&body).u32().map_or(r, |w| w as usize);
+                    let who = if who < self.leaving.len() { who } else { r };
+                    if self.leaving[who].is_none() {
+                        self.leaving[who] = Some(Instant::now());
+                        if self.rank == 0 {
+                            for (q, s) in self.streams.iter_mut().enumerate() {
+                                if let Some(s) = s.as_mut().filter(|_| q != who) {
+                                    let _ = send_frame(s, LEAVING, &body);
+                                }
+                            }
+                        }
+                    }
+                }
                 STALLED if self.rank == 0 => {
                     let on = Reader(&body).u32().map_or(usize::MAX, |w| w as usize);
                     if on < self.stalls.len() {
@@ -328,7 +344,22 @@ impl SideChannel {
             stalls: vec![None; n],
             stall_since: None,
             waiting: None,
+            leaving: vec![None; n],
         }
+    }
+
+    /// Tells the group that this rank closes its communicator (rank 0 relays it): a rank that
+    /// waits on it then fails naming the departure instead of waiting out the timeout.
+    pub fn leave(&mut self) {
+        let body = (self.rank as u32).to_le_bytes();
+        for s in self.streams.iter_mut().flatten() {
+            let _ = send_frame(s, LEAVING, &body);
+        }
+    }
+
+    /// Since when rank `r` has been known to be closing its communicator, if it is.
+    pub fn leaving_since(&self, r: usize) -> Option<Instant> {
+        self.leaving.get(r).copied().flatten()
     }
 
     /// This rank's wait on `waiting_on` ran out: tell rank 0 (or, on rank 0, note it), which

@@ -21,6 +21,8 @@ pub(crate) const ABORT: u8 = 6;
 pub(super) const BYE: u8 = 7;
 /// A rank's wait ran out: it names the rank it waits on (to rank 0, which judges).
 pub(super) const STALLED: u8 = 8;
+/// A rank closes its communicator (body: its rank); rank 0 relays it to every rank.
+pub(super) const LEAVING: u8 = 9;
 pub(super) const MAX_FRAME: usize = 64 << 20;
 
 pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {

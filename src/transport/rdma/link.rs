@@ -367,7 +367,7 @@ impl Link for RdmaTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch.poll()?;
+                self.watch.poll_waiting(waiting_on)?;
                 self.nap()?;
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),

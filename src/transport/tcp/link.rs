@@ -320,7 +320,7 @@ impl Link for TcpTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch.poll()?;
+                self.watch.poll_waiting(waiting_on)?;
                 self.wait(Duration::from_millis(1));
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
