@@ -1,7 +1,8 @@
 //! How a rank learns who it is: explicit [`Config`] or the environment of common launchers.
 //!
 //! Rank and world size, first match wins:
-//! `RDMACOMM_RANK`/`RDMACOMM_WORLD_SIZE`, torchrun's `RANK`/`WORLD_SIZE`, Open MPI's
+//! `RDMACOMM_RANK`/`RDMACOMM_WORLD_SIZE`, MLX's `MLX_RANK` with `MLX_HOSTFILE` (a nuvec ring
+//! launch: rank 0's first address is the coordinator), torchrun's `RANK`/`WORLD_SIZE`, Open MPI's
 //! `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`, PMI's `PMI_RANK`/`PMI_SIZE`, Slurm's
 //! `SLURM_PROCID`/`SLURM_NTASKS`. Coordinator (rank 0's rendezvous address): `RDMACOMM_COORDINATOR`
 //! (`host:port`), else `MASTER_ADDR`:`MASTER_PORT` (port 29500 if unset), else what the launcher
@@ -364,6 +365,17 @@ fn local_world_from(get: Lookup, world_size: usize) -> Result<Option<usize>> {
     Ok((get("SLURM_JOB_NUM_NODES").as_deref() == Some("1")).then_some(world_size))
 }
 
+/// A timeout in seconds: from a millisecond to 10^9 s (beyond, deadlines would overflow).
+fn timeout_of(name: &str, v: &str) -> Result<Duration> {
+    let secs: f64 = parse_num(name, v)?;
+    if !(1e-3..=1e9).contains(&secs) {
+        return Err(Error::Config(format!(
+            "{name}={v}: must be from 0.001 to 1e9 seconds"
+        )));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 /// A variable's value as a lookup gives it (the environment, or a table in tests).
 type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
@@ -436,16 +448,12 @@ impl Config {
     /// A config for `rank` of `world_size` meeting at `coordinator`, other fields from defaults
     /// and the environment (`RDMACOMM_TIMEOUT`, device overrides, slot geometry).
     pub fn new(rank: usize, world_size: usize, coordinator: impl Into<String>) -> Result<Self> {
-        let timeout = match env("RDMACOMM_TIMEOUT") {
-            Some(v) => {
-                let secs: f64 = parse_num("RDMACOMM_TIMEOUT", &v)?;
-                if !(secs > 0.0 && secs.is_finite()) {
-                    return Err(Error::Config(format!(
-                        "RDMACOMM_TIMEOUT={v}: must be > 0 seconds"
-                    )));
-                }
-                Duration::from_secs_f64(secs)
-            }
+        // A nuvec job's own setting serves where rdmacomm's is not given.
+        let timeout = match ["RDMACOMM_TIMEOUT", "NUVEC_DISTRIBUTED_TIMEOUT"]
+            .into_iter()
+            .find_map(|n| env(n).map(|v| (n, v)))
+        {
+            Some((name, v)) => timeout_of(name, &v)?,
             None => DEFAULT_TIMEOUT,
         };
         let slots = match env("RDMACOMM_SLOTS") {
@@ -626,14 +634,38 @@ impl Config {
     pub fn identity_from_env() -> Result<(usize, usize, String)> {
         identity_from(&env)
     }
+
+    /// Whether a launcher's variables name this process's rank (else it runs alone).
+    pub fn launched() -> bool {
+        RANK_VARIABLES.iter().any(|v| env(v).is_some())
+    }
 }
+
+/// The variables that name a rank, one per launcher [`identity_from`] knows.
+const RANK_VARIABLES: [&str; 6] = [
+    "RDMACOMM_RANK",
+    "MLX_RANK",
+    "RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+];
 
 /// This rank's identity from the launcher's variables as `get` reads them: rdmacomm's own,
 /// torchrun's, Open MPI's, PMI's, then Slurm's; the coordinator from `RDMACOMM_COORDINATOR`,
 /// else `MASTER_ADDR` and `MASTER_PORT` (29500).
 fn identity_from(get: Lookup) -> Result<(usize, usize, String)> {
+    let mut mlx_coordinator = None;
     let (rank, size) = if let Some(p) = pair(get, "RDMACOMM_RANK", "RDMACOMM_WORLD_SIZE")? {
         p
+    } else if let Some(r) = get("MLX_RANK") {
+        let path = get("MLX_HOSTFILE")
+            .ok_or_else(|| Error::Config("MLX_RANK is set but MLX_HOSTFILE is not".to_string()))?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::Config(format!("MLX_HOSTFILE={path}: {e}")))?;
+        let (rank, size, c) = crate::hostfile::identity(&r, &text)?;
+        mlx_coordinator = Some(c);
+        (rank, size)
     } else if let Some(p) = pair(get, "RANK", "WORLD_SIZE")? {
         p
     } else if let Some(p) = pair(get, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
@@ -655,6 +687,7 @@ fn identity_from(get: Lookup) -> Result<(usize, usize, String)> {
                     format!("{a}:{port}")
                 }
             }
+            None if mlx_coordinator.is_some() => mlx_coordinator.unwrap_or_default(),
             None if size == 1 => String::new(),
             // Rank 0 publishes it in the launcher's store.
             None if get("PMIX_NAMESPACE").is_some() => String::new(),
@@ -1067,6 +1100,40 @@ mod tests {
         let e = identity_from(&lost).unwrap_err().to_string();
         assert!(e.contains("no coordinator address"), "{e}");
         assert_eq!(identity_from(&table(&[])).unwrap(), (0, 1, String::new()));
+        // A nuvec (MLX ring) launch: MLX_RANK and its hostfile; rank 0's address is where we meet.
+        let dir = std::env::temp_dir().join(format!("rdmacomm-hostfile-{}", std::process::id()));
+        std::fs::write(&dir, r#"[["127.0.0.1:5000"],["127.0.0.1:5001"],["h:2"]]"#).unwrap();
+        let path = dir.to_string_lossy().into_owned();
+        let mlx = table(&[("MLX_RANK", "1"), ("MLX_HOSTFILE", path.as_str())]);
+        assert_eq!(
+            identity_from(&mlx).unwrap(),
+            (1, 3, "127.0.0.1:5000".to_string())
+        );
+        let given = table(&[
+            ("MLX_RANK", "2"),
+            ("MLX_HOSTFILE", path.as_str()),
+            ("MASTER_ADDR", "m"),
+        ]);
+        assert_eq!(
+            identity_from(&given).unwrap(),
+            (2, 3, "m:29500".to_string())
+        );
+        std::fs::remove_file(&dir).unwrap();
+        let e = identity_from(&mlx).unwrap_err().to_string();
+        assert!(e.contains("MLX_HOSTFILE="), "{e}");
+        let e = identity_from(&table(&[("MLX_RANK", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("MLX_HOSTFILE is not"), "{e}");
+        // Timeouts out of range are named, never a panic converting them.
+        for bad in ["1e20", "1e-10", "0", "-1", "inf", "NaN"] {
+            let e = timeout_of("RDMACOMM_TIMEOUT", bad).unwrap_err().to_string();
+            assert!(e.contains("RDMACOMM_TIMEOUT"), "{bad}: {e}");
+        }
+        assert_eq!(
+            timeout_of("NUVEC_DISTRIBUTED_TIMEOUT", "2.5").unwrap(),
+            Duration::from_millis(2500)
+        );
         // The local rank a device list spreads by.
         assert_eq!(
             local_rank_from(&table(&[("SLURM_LOCALID", "3")])).unwrap(),

@@ -28,7 +28,10 @@ pub mod copy;
 pub mod dtype;
 pub mod error;
 pub mod group;
+mod hostfile;
 pub mod launch;
+#[cfg(feature = "nuvec")]
+pub mod nuvec;
 pub mod overlap;
 pub mod pin;
 pub mod reduce;
