@@ -196,7 +196,7 @@ impl Comm {
     /// Closes the link now, as dropping the communicator would (the group is told this rank
     /// leaves; a bounded close barrier), for a communicator a framework never drops; every
     /// later call fails. Skipped while an operation holds the link.
-    #[cfg(feature = "nuvec")]
+    #[cfg(any(feature = "nuvec", feature = "fuel"))]
     pub(crate) fn close(&self, why: &str) {
         self.poison_with(format!("rank {} {why}", self.rank));
         let link = match self.inner.try_lock() {
@@ -205,6 +205,13 @@ impl Comm {
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         drop(link);
+    }
+
+    /// Refuses every later call with `why` (a failure every rank found alike, as a
+    /// mismatch of calls an adapter compared before any data moved).
+    #[cfg(feature = "fuel")]
+    pub(crate) fn refuse_further(&self, why: &str) {
+        self.poison_with(why.to_string());
     }
 
     /// Fails unless the calling thread owns this communicator (or runs its non-blocking

@@ -112,6 +112,18 @@ impl DType {
     }
 }
 
+/// An element type with a [`DType`] (the typed API's slices: [`crate::Group`]).
+pub trait Element: bytemuck::Pod {
+    /// Its dtype.
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),*) => {$( impl Element for $t { const DTYPE: DType = DType::$d; } )*};
+}
+element!(f32 => f32, f64 => f64, half::f16 => f16, half::bf16 => bf16, i8 => i8, u8 => u8, i32 => i32,
+    u32 => u32, i64 => i64, u64 => u64);
+
 /// The reduction of an all_reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AllReduce {

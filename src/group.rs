@@ -3,8 +3,8 @@
 use crate::api::Communicator;
 use crate::comm::Comm;
 use crate::dtype::AllReduce;
+use crate::dtype::Element;
 use crate::error::Result;
-use crate::tensor::Element;
 use std::sync::Arc;
 
 /// A group of ranks with typed collectives over any element type with a dtype:

@@ -27,23 +27,31 @@ pub mod config;
 pub mod copy;
 pub mod dtype;
 pub mod error;
+#[cfg(feature = "fuel")]
+pub mod fuel;
 pub mod group;
 mod hostfile;
+mod identity;
 pub mod launch;
 #[cfg(feature = "nuvec")]
 pub mod nuvec;
 pub mod overlap;
 pub mod pin;
 pub mod reduce;
-pub mod tensor;
+#[cfg(feature = "fuel")]
+mod relayout;
+#[cfg(any(feature = "nuvec", feature = "fuel"))]
+mod serial;
 pub mod transport;
 pub mod verbs;
+#[cfg(any(feature = "nuvec", feature = "fuel"))]
+mod wide16;
 
 pub use api::{Communicator, P2p};
 pub use comm::{Algo, Comm};
 pub use config::{Config, Progress};
-pub use dtype::{AllReduce, DType};
+pub use dtype::{AllReduce, DType, Element};
 pub use error::{Error, Peer, Result};
 pub use group::Group;
+pub use identity::IdentityComm;
 pub use overlap::{Overlap, Pending};
-pub use tensor::{CommInfo, GraphId, IdentityComm, ReduceOp, Tensor};

@@ -20,24 +20,22 @@
 //! `Error::Backend("distributed: rank R: ...")` naming the peer, after which every call fails
 //! at once ("failed earlier").
 
-mod at_exit;
 mod reduce;
 mod stream;
 
 use crate::api::Communicator as _;
 use crate::comm::Comm;
 use crate::config::Config;
+use crate::serial::Serial;
 use nuvec_core::distributed::{self as nd, AllReduce, Group};
 use nuvec_core::{DType, Error, Result};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::Arc;
 
 /// rdmacomm as a `nuvec_core::distributed::Communicator`: install it with
 /// `Group::new(Arc::new(transport))`, or let [`init`] do it.
 pub struct Transport {
-    comm: Arc<Comm>,
+    serial: Serial<State>,
     rank: usize,
-    /// What a call needs besides the communicator; held for the whole call.
-    state: Mutex<State>,
 }
 
 #[derive(Default)]
@@ -53,16 +51,14 @@ impl Transport {
     /// Wraps a communicator (built with [`Comm::from_env`] or [`Comm::new`]); any thread may
     /// then call it.
     pub fn new(comm: Comm) -> Transport {
-        let size = comm.size();
-        let comm = Arc::new(comm);
-        at_exit::close_at_exit(&comm);
+        let (rank, size) = (comm.rank(), comm.size());
+        let state = State {
+            streams: (0..size).map(|_| Default::default()).collect(),
+            ..Default::default()
+        };
         Transport {
-            rank: comm.rank(),
-            comm,
-            state: Mutex::new(State {
-                streams: (0..size).map(|_| Default::default()).collect(),
-                ..Default::default()
-            }),
+            serial: Serial::new(comm, state),
+            rank,
         }
     }
 
@@ -72,20 +68,7 @@ impl Transport {
         what: &str,
         f: impl FnOnce(&Comm, &mut State) -> crate::Result<T>,
     ) -> Result<T> {
-        let mut state = match self.state.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                return Err(Error::InvalidArgument(format!(
-                    "distributed: rank {}: {what} was called while another thread's call runs on \
-                     this communicator; their order could differ between ranks (nuvec's Group \
-                     runs one at a time; give each thread its own group with Group::split)",
-                    self.rank
-                )))
-            }
-        };
-        self.comm.claim();
-        f(&self.comm, &mut state).map_err(|e| self.error(e))
+        self.serial.run(what, f).map_err(|e| self.error(e))
     }
 
     /// rdmacomm's error as nuvec's: arguments are `InvalidArgument`, the rest `Backend`.
@@ -103,6 +86,12 @@ impl Transport {
         }
     }
 
+    /// The communicator underneath, for what nuvec's trait lacks (its own thread rule
+    /// applies: it runs the calls of the thread that last called this transport).
+    pub fn comm(&self) -> &Comm {
+        self.serial.comm()
+    }
+
     /// nuvec 0.6's `sum_scatter`: rank r's `output` is the sum of every rank's block r of
     /// `input` (`input.len() == size * output.len()`); bools are or-ed, as nuvec sums them.
     pub fn sum_scatter(&self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
@@ -114,7 +103,7 @@ impl Transport {
     /// nuvec 0.6's `health`: whether every peer is still reachable, without blocking and
     /// without a collective; an error names a lost peer.
     pub fn health(&self) -> Result<()> {
-        self.comm.health().map_err(|e| self.error(e))
+        self.comm().health().map_err(|e| self.error(e))
     }
 }
 
@@ -124,7 +113,7 @@ impl nd::Communicator for Transport {
     }
 
     fn size(&self) -> usize {
-        self.comm.size()
+        self.comm().size()
     }
 
     fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {

@@ -17,9 +17,9 @@ use crate::api::{
 };
 use crate::comm::{this_thread, Comm};
 use crate::config::Progress;
+use crate::dtype::Element;
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
-use crate::tensor::Element;
 use job::{Cell, Done};
 use queue::Queue;
 use std::marker::PhantomData;

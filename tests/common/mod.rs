@@ -262,3 +262,41 @@ pub fn assert_all_ok(results: &[RankResult]) {
         panic!("{} of {} ranks failed", bad.len(), results.len());
     }
 }
+
+/// For a framework's real-client tests: in a rank child of `name`, runs `body` on what `init`
+/// builds (the framework's communicator) and returns `None`. In the parent: runs `n` ranks
+/// placed across the VM's hosts where there are some, with `env` and a 30 s timeout, asserts
+/// each exited 0 and returns their outputs (`None` where the transport is not usable here).
+pub fn ranks_of<G>(
+    name: &str,
+    n: usize,
+    env: &[(&str, &str)],
+    init: impl FnOnce() -> G,
+    body: impl FnOnce(G),
+) -> Option<Vec<String>> {
+    if is_child(name) {
+        body(init());
+        return None;
+    }
+    if !transport_ready() {
+        return None;
+    }
+    let mut vars = vec![("RDMACOMM_TIMEOUT".to_string(), "30".to_string())];
+    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let out = spawn(
+        name,
+        n,
+        Placement::Hosts,
+        &|_| vars.clone(),
+        Duration::from_secs(240),
+    );
+    assert_all_ok(&out);
+    Some(out.into_iter().map(|r| r.output).collect())
+}
+
+/// What follows `tag` on each line of `out` that has it (the test harness may print before it).
+pub fn tagged<'a>(out: &'a str, tag: &str) -> Vec<&'a str> {
+    out.lines()
+        .filter_map(|l| l.find(tag).map(|i| &l[i..]))
+        .collect()
+}

@@ -6,15 +6,17 @@
 #[path = "../../../../tests/common/mod.rs"]
 pub mod common;
 
-use common::{assert_all_ok, is_child, spawn, transport_ready, Placement};
+#[allow(unused_imports)]
+pub use common::tagged;
 use nuvec_core::distributed::Group;
-use std::time::Duration;
 
-/// In a rank child of `name`: runs `body` on the installed group and returns `None`. In the
-/// parent: runs `n` ranks, asserts each exited 0 and returns their outputs (`None` where the
-/// transport is not usable here, after saying why).
+fn init() -> Group {
+    rdmacomm::nuvec::init(true).expect("rdmacomm::nuvec::init")
+}
+
+/// `body` as `n` ranks (see `common::ranks_of`).
 pub fn ranks(name: &str, n: usize, body: fn(Group)) -> Option<Vec<String>> {
-    ranks_with(name, n, &[], body)
+    common::ranks_of(name, n, &[], init, body)
 }
 
 /// As [`ranks`], with variables `env` added to every rank.
@@ -24,52 +26,10 @@ pub fn ranks_with(
     env: &[(&str, &str)],
     body: fn(Group),
 ) -> Option<Vec<String>> {
-    if is_child(name) {
-        let g = rdmacomm::nuvec::init(true).expect("rdmacomm::nuvec::init");
-        body(g);
-        return None;
-    }
-    if !transport_ready() {
-        return None;
-    }
-    let mut vars = vec![("RDMACOMM_TIMEOUT".to_string(), "30".to_string())];
-    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    let out = spawn(
-        name,
-        n,
-        Placement::Hosts,
-        &|_| vars.clone(),
-        Duration::from_secs(240),
-    );
-    assert_all_ok(&out);
-    Some(out.into_iter().map(|r| r.output).collect())
-}
-
-/// What follows `tag` on each line of `out` that has it (the test harness may print before it).
-pub fn tagged<'a>(out: &'a str, tag: &str) -> Vec<&'a str> {
-    out.lines()
-        .filter_map(|l| l.find(tag).map(|i| &l[i..]))
-        .collect()
+    common::ranks_of(name, n, env, init, body)
 }
 
 /// As [`ranks_with`], but `body` builds what it needs from the environment itself.
 pub fn ranks_raw(name: &str, n: usize, env: &[(&str, &str)], body: fn()) -> Option<Vec<String>> {
-    if is_child(name) {
-        body();
-        return None;
-    }
-    if !transport_ready() {
-        return None;
-    }
-    let mut vars = vec![("RDMACOMM_TIMEOUT".to_string(), "30".to_string())];
-    vars.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    let out = spawn(
-        name,
-        n,
-        Placement::Hosts,
-        &|_| vars.clone(),
-        Duration::from_secs(240),
-    );
-    assert_all_ok(&out);
-    Some(out.into_iter().map(|r| r.output).collect())
+    common::ranks_of(name, n, env, || (), |()| body())
 }

@@ -1,0 +1,175 @@
+//! split() and the typed Group, multi-process: 6 ranks split into {even, odd} and into
+//! {0..2, 3..5}, then collectives in both subgroups and the parent, interleaved, every result
+//! checked against a reference; nested splits; a negative color; IdentityComm.
+
+mod common;
+use common::*;
+use rdmacomm::{AllReduce, Comm, Communicator, DType, Group, IdentityComm};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Sum over `ranks` of the value each contributes at element i.
+fn val(r: usize, i: usize) -> f32 {
+    ((r * 7 + i * 3) % 11) as f32
+}
+
+fn check_sum(g: &Group, parent_ranks: &[usize], what: &str) {
+    // Each member contributes val(parent rank, i); the sum must match on every member.
+    let me = parent_ranks[g.rank()];
+    eprintln!("rank {me}: {what}");
+    let mut d: Vec<f32> = (0..1000).map(|i| val(me, i)).collect();
+    g.all_reduce(&mut d, AllReduce::Sum).unwrap();
+    for (i, &x) in d.iter().enumerate() {
+        let want: f32 = parent_ranks.iter().map(|&p| val(p, i)).sum();
+        assert_eq!(x, want, "{what}: element {i}");
+    }
+}
+
+fn split_body() {
+    let (r, n) = rank_size();
+    let parent = Group::from_env().unwrap();
+    assert_eq!((parent.rank(), parent.size()), (r, n));
+    // Even / odd, ordered by rank.
+    let parity = parent.split((r % 2) as i32, r as i32).unwrap();
+    let parity_ranks: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).collect();
+    assert_eq!(parity.size(), parity_ranks.len());
+    assert_eq!(parity.rank(), r / 2);
+    // Halves, ordered by key = -rank (so reversed).
+    let half = parent.split((r / 3) as i32, -(r as i32)).unwrap();
+    let mut half_ranks: Vec<usize> = (0..n).filter(|q| q / 3 == r / 3).collect();
+    half_ranks.reverse();
+    assert_eq!(half_ranks[half.rank()], r, "key orders the subgroup");
+    // Interleave collectives on the three groups.
+    for round in 0..3 {
+        check_sum(
+            &parity,
+            &parity_ranks,
+            &format!("round {round}: parity all_reduce"),
+        );
+        check_sum(
+            &parent,
+            &(0..n).collect::<Vec<_>>(),
+            &format!("round {round}: parent all_reduce"),
+        );
+        check_sum(
+            &half,
+            &half_ranks,
+            &format!("round {round}: half all_reduce"),
+        );
+        let mine = [r as u32 * 10 + round];
+        let mut got = vec![0u32; half.size()];
+        half.all_gather(&mine, &mut got).unwrap();
+        let want: Vec<u32> = half_ranks.iter().map(|&p| p as u32 * 10 + round).collect();
+        assert_eq!(got, want, "half all_gather in key order");
+        let mut b = [if parity.rank() == 1 {
+            42u64 + round as u64
+        } else {
+            0
+        }; 3];
+        parity.broadcast(&mut b, 1).unwrap();
+        assert_eq!(
+            b,
+            [42 + round as u64; 3],
+            "parity broadcast from sub-rank 1"
+        );
+        parent.barrier().unwrap();
+    }
+    // Nested: split the parity group again, by rank / 4.
+    let nested = parity.split((r / 4) as i32, 0).unwrap();
+    let nested_ranks: Vec<usize> = parity_ranks
+        .iter()
+        .copied()
+        .filter(|q| q / 4 == r / 4)
+        .collect();
+    check_sum(&nested, &nested_ranks, "nested all_reduce");
+    nested.health().unwrap();
+    // A negative color: a world of one for rank 5, the rest together.
+    let some = parent.split(if r == 5 { -1 } else { 0 }, 0).unwrap();
+    if r == 5 {
+        assert_eq!((some.rank(), some.size()), (0, 1));
+    } else {
+        check_sum(&some, &(0..5).collect::<Vec<_>>(), "split without rank 5");
+    }
+    // Drop the parent first: the subgroups stay usable.
+    drop(parent);
+    check_sum(&half, &half_ranks, "half after the parent is gone");
+    parity.barrier().unwrap();
+    println!("rank {r}: split checks passed");
+}
+
+#[test]
+fn split_six_ranks_interleaved() {
+    const NAME: &str = "split_six_ranks_interleaved";
+    if !parent_ready(NAME, split_body) {
+        return;
+    }
+    spawn_local_ok(NAME, 6, &[], Duration::from_secs(400));
+}
+
+#[test]
+fn identity_comm_is_a_world_of_one() {
+    let g = Group::new(Arc::new(IdentityComm));
+    assert!(g.broadcast(&mut [0u8; 2], 1).is_err(), "root out of range");
+    let mut x = [1.0f64, 2.0];
+    g.all_reduce(&mut x, AllReduce::Max).unwrap();
+    assert_eq!(x, [1.0, 2.0]);
+    assert_eq!(g.split(-1, 0).unwrap().size(), 1);
+    let e = Communicator::all_reduce(&IdentityComm, AllReduce::Sum, DType::f64, &mut [0u8; 12])
+        .unwrap_err();
+    assert!(e.to_string().contains("not a multiple"), "{e}");
+}
+
+fn bcast_body() {
+    let (r, n) = rank_size();
+    let g = Group::from_env().unwrap();
+    for root in 0..n {
+        for len in [0usize, 1, 4097, (1 << 20) + 3] {
+            let mut d: Vec<u8> = if r == root {
+                (0..len).map(|i| (i * 31 + root) as u8).collect()
+            } else {
+                vec![0; len]
+            };
+            g.broadcast(&mut d, root).unwrap();
+            assert!(
+                d.iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i * 31 + root) as u8),
+                "broadcast of {len} B from {root}"
+            );
+        }
+    }
+    println!("rank {r}: broadcast checks passed");
+}
+
+#[test]
+fn broadcast_chain_and_tree_five_ranks() {
+    const NAME: &str = "broadcast_chain_and_tree_five_ranks";
+    if !parent_ready(NAME, bcast_body) {
+        return;
+    }
+    for algo in ["chain", "tree"] {
+        spawn_local_ok(
+            NAME,
+            5,
+            &[("RDMACOMM_BCAST", algo)],
+            Duration::from_secs(300),
+        );
+    }
+}
+
+/// A world of one (a program run without a launcher) dups and splits into worlds of one, and
+/// they work; this used to panic ("world of one handled by the caller").
+#[test]
+fn a_world_of_one_dups_and_splits_into_a_world_of_one() {
+    let one = Comm::new(&rdmacomm::Config::defaults(0, 1, "")).unwrap();
+    let dup = one.dup().unwrap();
+    let alone = one.split_comm(-1, 0).unwrap();
+    let again = alone.split_comm(3, 7).unwrap();
+    for c in [&dup, &alone, &again] {
+        assert_eq!((c.rank(), c.size()), (0, 1));
+        let mut x = [2.5f32.to_le_bytes(), 1.0f32.to_le_bytes()].concat();
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut x).unwrap();
+        assert_eq!(x, [2.5f32.to_le_bytes(), 1.0f32.to_le_bytes()].concat());
+        c.barrier().unwrap();
+    }
+}
