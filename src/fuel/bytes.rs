@@ -54,10 +54,12 @@ pub(crate) fn wire(dtype: F) -> Result<Wire, String> {
         F::I16 => Wire::Wide16,
         F::F8E4M3 => Wire::ViaF32,
         F::Bool => Wire::Bool,
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "fuel dtype {other:?} is not supported (sub-byte, or fuel has no CPU constructor or \
                  cast to rebuild it on the caller's graph)"
-        )),
+        ))
+        }
     })
 }
 
@@ -88,8 +90,12 @@ pub(crate) fn realise(t: &Tensor, w: Wire) -> fuel::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn values<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
-    bytemuck::pod_collect_to_vec(bytes)
+/// `bytes` as elements, written once into the shared slice fuel's constructors take.
+fn values<T: bytemuck::Pod>(bytes: &[u8]) -> std::sync::Arc<[T]> {
+    bytes
+        .chunks_exact(std::mem::size_of::<T>())
+        .map(bytemuck::pod_read_unaligned::<T>)
+        .collect()
 }
 
 /// Signed integers of `size` bytes as i64.
