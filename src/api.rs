@@ -329,7 +329,13 @@ fn lens_check(what: &str, n: usize, lens: &[usize], name: &str) -> Result<usize>
             lens.len()
         )));
     }
-    Ok(lens.iter().sum())
+    lens.iter()
+        .try_fold(0usize, |a, &l| a.checked_add(l))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{what}: {name} {lens:?} sum to more bytes than memory has"
+            ))
+        })
 }
 
 /// Checks `all_to_all` arguments.
@@ -408,14 +414,14 @@ fn check_rooted(
     part: (&str, &[u8]),
 ) -> Result<()> {
     check_root(root, n)?;
-    if me == root && whole.1.len() != n * part.1.len() {
+    if me == root && Some(whole.1.len()) != n.checked_mul(part.1.len()) {
         return Err(Error::InvalidArgument(format!(
             "{what}: the root's {} has {} bytes but must be size ({n}) x {} ({}) = {}",
             whole.0,
             whole.1.len(),
             part.0,
             part.1.len(),
-            n * part.1.len()
+            n.saturating_mul(part.1.len())
         )));
     }
     Ok(())
@@ -489,12 +495,12 @@ pub(crate) fn check_all_reduce(dtype: DType, data: &[u8]) -> Result<()> {
 
 /// Checks `all_gather` arguments.
 pub(crate) fn check_all_gather(size: usize, input: &[u8], output: &[u8]) -> Result<()> {
-    if output.len() != size * input.len() {
+    if Some(output.len()) != size.checked_mul(input.len()) {
         return Err(Error::InvalidArgument(format!(
             "all_gather: output has {} bytes but must be size ({size}) x input ({}) = {} bytes",
             output.len(),
             input.len(),
-            size * input.len()
+            size.saturating_mul(input.len())
         )));
     }
     Ok(())
@@ -508,12 +514,12 @@ pub(crate) fn check_sum_scatter(
     output: &[u8],
 ) -> Result<()> {
     dtype.check_len(output.len(), "sum_scatter output")?;
-    if input.len() != size * output.len() {
+    if Some(input.len()) != size.checked_mul(output.len()) {
         return Err(Error::InvalidArgument(format!(
             "sum_scatter: input has {} bytes but must be size ({size}) x output ({}) = {} bytes",
             input.len(),
             output.len(),
-            size * output.len()
+            size.saturating_mul(output.len())
         )));
     }
     Ok(())
@@ -542,4 +548,43 @@ pub(crate) fn check_peer(what: &str, me: usize, size: usize, peer: usize) -> Res
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lengths whose sum or product overflows are argument errors, never a panic or a wrapped
+    /// length that happens to fit.
+    #[test]
+    fn lengths_that_overflow_are_named() {
+        let (input, output) = ([0u8; 8], [0u8; 8]);
+        for (send, recv) in [
+            (vec![usize::MAX, 9], vec![4, 4]),
+            (vec![4, 4], vec![usize::MAX, 9]),
+        ] {
+            let e = check_all_to_allv(0, 2, &input, &send, &output, &recv)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("more bytes than memory"), "{e}");
+        }
+        let e = check_all_gather_v(0, 2, &input, &output, &[8, usize::MAX])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more bytes than memory"), "{e}");
+        let e = check_reduce_scatter_v(0, 2, DType::u8, &input, &output, &[usize::MAX, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more bytes than memory"), "{e}");
+        // A product of the world size and a length past memory is no match for any buffer.
+        assert!(check_rooted(
+            "gather",
+            0,
+            3,
+            0,
+            ("output", &[0u8; 6]),
+            ("input", &[0u8; 2])
+        )
+        .is_ok());
+    }
 }

@@ -214,10 +214,11 @@ impl Group {
     }
 }
 
-/// Element counts as byte lengths.
+/// Element counts as byte lengths (saturating: a count too large for memory then fails the
+/// length checks by name, never wraps into a plausible length).
 fn bytes_of<T: Element>(counts: &[usize]) -> Vec<usize> {
     counts
         .iter()
-        .map(|c| c * std::mem::size_of::<T>())
+        .map(|c| c.saturating_mul(std::mem::size_of::<T>()))
         .collect()
 }
