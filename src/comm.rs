@@ -98,6 +98,7 @@ impl Comm {
     /// device. The calling thread owns the communicator.
     pub fn new(cfg: &Config) -> Result<Self> {
         cfg.validate()?;
+        crate::diag::install(cfg.debug, cfg.debug_file.as_deref())?;
         // The process's kernels, chosen (and the copy kernel timed, where it is) here, not
         // inside the first operation; a later communicator asking for others is refused.
         let kernels = kernels_as_asked(cfg);
@@ -124,6 +125,9 @@ impl Comm {
         let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
         let medium = link.as_ref().map(|l| l.medium());
         let described = link.as_ref().map(|l| l.describe());
+        if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
+            summarise(&cfg, l.local_rank(), d, algo);
+        }
         let me = link.as_ref().map_or(
             Peer {
                 rank: cfg.rank,
@@ -324,6 +328,9 @@ impl Comm {
         sub_cfg.rank = sub_rank;
         sub_cfg.world_size = members.len();
         sub_cfg.coordinator = lead_addr;
+        // The subgroup's own count of members on this host, not the launcher's count for the
+        // world: one rank per host of a 2 x 2 job is no group for shared memory alone.
+        sub_cfg.local_world = self.members_here(&members);
         // Cards over this communicator: every rank takes part, even one that joins no subgroup.
         let exchange = |card: &[u8]| -> Result<Vec<Vec<u8>>> {
             let mut lens = vec![0u8; 4 * n];
@@ -385,6 +392,24 @@ impl Comm {
         Ok(Comm::with_link_of(sub_cfg, Some(link), self.algorithm()))
     }
 
+    /// How many of `members` (ranks of this communicator) share this rank's host, where the
+    /// link knows: every one over shared memory alone, else as its hosts say; `None` where it
+    /// cannot tell (a subgroup then finds out at its own rendezvous).
+    fn members_here(&self, members: &[usize]) -> Option<usize> {
+        if self.medium == Some(crate::transport::Medium::SharedMemory) {
+            return Some(members.len());
+        }
+        let g = self.lock();
+        let hosts = g.link.as_ref()?.hosts()?;
+        let mine = *hosts.get(self.rank)?;
+        Some(
+            members
+                .iter()
+                .filter(|&&q| hosts.get(q) == Some(&mine))
+                .count(),
+        )
+    }
+
     /// Who moves the operations of [`Comm::overlap`] (`RDMACOMM_PROGRESS`).
     pub fn progress(&self) -> crate::config::Progress {
         self.cfg.progress
@@ -405,8 +430,8 @@ impl Comm {
         *self.algo.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The transport in use, in words: `RDMA <device> port <n> GID[<i>]` or `TCP` (None for a
-    /// world of one).
+    /// The transport in use, in words: `RDMA <device> port <n> GID[<i>] <gid> MTU <bytes>` or
+    /// `TCP`, with shared memory where it reaches some peers (None for a world of one).
     pub fn device(&self) -> Option<String> {
         self.described.clone()
     }
@@ -442,6 +467,11 @@ impl Comm {
         match r {
             Ok(r) => {
                 if let Err(e) = &r {
+                    if matches!(e, Error::InvalidArgument(_)) {
+                        // Found here, inside the operation (a peer's lengths differ from this
+                        // rank's): the peers learn the cause now instead of waiting on us.
+                        link.abort(format!("rank {} failed inside {desc}: {e}", self.rank));
+                    }
                     self.poison(e);
                 }
                 r
@@ -557,6 +587,40 @@ impl Comm {
         self.wait_started_ones();
         self.check_usable()
     }
+}
+
+/// Each rank's summary of a new communicator at `info` (as `NCCL_DEBUG=INFO` prints), and rank
+/// 0's line for the job.
+fn summarise(cfg: &Config, (local, nlocal): (usize, usize), described: &str, algo: Algo) {
+    if !log::log_enabled!(log::Level::Info) {
+        return;
+    }
+    if cfg.rank == 0 {
+        log::info!(
+            "job {:?}: {} ranks, coordinator {}, timeout {:?}, secret {}",
+            cfg.job_id,
+            cfg.world_size,
+            cfg.coordinator,
+            cfg.timeout,
+            if cfg.secret.is_some() { "yes" } else { "no" }
+        );
+    }
+    log::info!(
+        "rank {} of {}: {described}; {nlocal} ranks on this host (local rank {local}), host id \
+         {:?}; RDMA slots {} x {} B, TCP chunk {} B, zero-copy from {} B; all_reduce {algo:?} \
+         (recursive doubling up to {} B), broadcast {:?}; progress {:?}, polling {:?}",
+        cfg.rank,
+        cfg.world_size,
+        cfg.host_id,
+        cfg.slots,
+        cfg.slot_bytes,
+        cfg.tcp_chunk,
+        cfg.zero_copy_min,
+        crate::collectives::DOUBLING_MAX_BYTES,
+        cfg.bcast,
+        cfg.progress,
+        cfg.poll
+    );
 }
 
 /// Chooses the process's kernels as `cfg` asks; an error where an earlier communicator chose
@@ -1093,7 +1157,7 @@ impl Communicator for Comm {
         let Some(link) = g.link.as_mut() else {
             return Ok(());
         };
-        let r = link.health().and_then(|()| link.watch_mut().departed());
+        let r = link.health();
         if let Err(e) = &r {
             self.poison(e);
         }

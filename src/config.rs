@@ -19,7 +19,7 @@ use crate::verbs::DeviceChoice;
 use std::time::Duration;
 
 /// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
-pub const VARIABLES: [&str; 29] = [
+pub const VARIABLES: [&str; 31] = [
     "RDMACOMM_JOB_ID",
     "RDMACOMM_SECRET",
     "RDMACOMM_SECRET_FILE",
@@ -49,6 +49,8 @@ pub const VARIABLES: [&str; 29] = [
     "RDMACOMM_PROGRESS",
     "RDMACOMM_COPY",
     "RDMACOMM_SIMD",
+    "RDMACOMM_DEBUG",
+    "RDMACOMM_DEBUG_FILE",
 ];
 
 /// Variables of this project's tools and tests, which the library ignores.
@@ -305,6 +307,10 @@ pub struct Config {
     pub secret: Option<Secret>,
     /// How the ranks find rank 0 when no address is given.
     pub discovery: Discovery,
+    /// The minimal log writer's level (`RDMACOMM_DEBUG`; unset: none is installed).
+    pub debug: Option<crate::diag::Level>,
+    /// Where the minimal writer writes (`RDMACOMM_DEBUG_FILE`; unset: stderr).
+    pub debug_file: Option<String>,
 }
 
 /// How the ranks find rank 0's rendezvous address.
@@ -544,6 +550,10 @@ impl Config {
             job_id: job_id_from_env(),
             secret: secret_from_env()?,
             discovery: Discovery::Given,
+            debug: env("RDMACOMM_DEBUG")
+                .map(|v| crate::diag::Level::parse(&v))
+                .transpose()?,
+            debug_file: env("RDMACOMM_DEBUG_FILE"),
         };
         let cfg = cfg.discovered();
         cfg.validate()?;
@@ -589,6 +599,8 @@ impl Config {
             job_id: job_id_from_env(),
             secret: secret_from_env().ok().flatten(),
             discovery: Discovery::Given,
+            debug: None,
+            debug_file: None,
         }
         .discovered()
     }

@@ -25,6 +25,7 @@ pub mod collectives;
 pub mod comm;
 pub mod config;
 pub mod copy;
+mod diag;
 pub mod dtype;
 pub mod error;
 #[cfg(feature = "fuel")]
@@ -50,6 +51,7 @@ mod wide16;
 pub use api::{Communicator, P2p};
 pub use comm::{Algo, Comm};
 pub use config::{Config, Progress};
+pub use diag::Level as DebugLevel;
 pub use dtype::{AllReduce, DType, Element};
 pub use error::{Error, Peer, Result};
 pub use group::Group;

@@ -173,23 +173,33 @@ fn wrong_lengths_write_nothing() {
 fn mismatch_body(what: &str) {
     let (r, _) = rank_size();
     let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let start = std::time::Instant::now();
     let res = match what {
         "recv" if r == 0 => c.send(1, &[1u8; 100]),
         "recv" => c.recv(0, &mut [0u8; 60]),
+        // Each sends 16 B; rank 1 expects 8: only rank 1 can see it, and must tell rank 0,
+        // whose own sendrecv may well have finished: its next call (a barrier) must fail with
+        // the cause, not wait out the timeout (or, over shared memory, return Ok).
+        "sendrecv" => {
+            let want = if r == 0 { 16 } else { 8 };
+            c.sendrecv(1 - r, &[1u8; 16], 1 - r, &mut vec![0u8; want])
+                .and_then(|()| c.barrier())
+        }
         _ => {
             let elems = if r == 0 { 1024 } else { 1000 };
             c.all_reduce(AllReduce::Sum, DType::f32, &mut vec![0u8; elems * 4])
         }
     };
+    let secs = start.elapsed().as_secs_f64();
     match res {
         Ok(()) => println!("RESULT rank {r}: OK"),
-        Err(e) => println!("RESULT rank {r}: ERROR: {e}"),
+        Err(e) => println!("RESULT rank {r}: ERROR after {secs:.2} s: {e}"),
     }
 }
 
 #[test]
 fn length_mismatch_between_ranks_is_named() {
-    for what in ["recv", "all_reduce"] {
+    for what in ["recv", "all_reduce", "sendrecv"] {
         let name = "length_mismatch_between_ranks_is_named";
         if is_child(name) {
             if std::env::var("MISMATCH_CASE").as_deref() == Ok(what) {
@@ -216,12 +226,29 @@ fn length_mismatch_between_ranks_is_named() {
         );
         let all: String = r.iter().map(|x| x.output.as_str()).collect();
         // The operations' descriptors differ before any byte is landed.
-        let want = if what == "recv" {
-            "rank 0 called send/recv(100 B) as operation 0 where rank 1 called send/recv(60 B)"
-        } else {
-            "called all_reduce(f32, sum, 4000 B, auto) as operation 0 where rank"
+        let want = match what {
+            "recv" => {
+                "rank 0 called send/recv(100 B) as operation 0 where rank 1 called send/recv(60 B)"
+            }
+            "sendrecv" => "received 16 bytes from rank 0 where 8 were expected",
+            _ => "called all_reduce(f32, sum, 4000 B, auto) as operation 0 where rank",
         };
         assert!(all.contains(want), "{what}: no clear error:\n{all}");
+        if what == "sendrecv" {
+            // Both ranks fail with the cause, well within the 20 s timeout: the rank that found
+            // it tells the other (which used to wait out the timeout and blame a stall).
+            for x in &r {
+                let line = tagged(&x.output, "RESULT").concat();
+                assert!(line.contains(want), "rank {}: {line}", x.rank);
+                let secs: f64 = line
+                    .split("after ")
+                    .nth(1)
+                    .and_then(|t| t.split(' ').next())
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(f64::MAX);
+                assert!(secs < 2.0, "rank {} took {secs} s: {line}", x.rank);
+            }
+        }
         for x in &r {
             assert!(
                 x.code.is_some(),

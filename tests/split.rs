@@ -173,3 +173,47 @@ fn a_world_of_one_dups_and_splits_into_a_world_of_one() {
         c.barrier().unwrap();
     }
 }
+
+fn hybrid_split_body() {
+    let (r, n) = rank_size();
+    let parent = Group::from_env().unwrap();
+    // One rank per host: the data-parallel group of a 2 x 2 job.
+    let across = parent.split((r % 2) as i32, r as i32).unwrap();
+    let across_ranks: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).collect();
+    check_sum(&across, &across_ranks, "one rank per host");
+    // The ranks of one host: shared memory alone.
+    let within = parent.split((r / 2) as i32, r as i32).unwrap();
+    let within_ranks: Vec<usize> = (0..n).filter(|q| q / 2 == r / 2).collect();
+    check_sum(&within, &within_ranks, "the ranks of a host");
+    check_sum(&parent, &(0..n).collect::<Vec<_>>(), "the world after both");
+}
+
+/// The usual hybrid-parallel split on 2 hosts of 2 (the launcher says 2 ranks per host): a
+/// subgroup picks its transports from where its own members are. It used to inherit the
+/// world's local count and choose shared memory alone for one rank per host, and fail.
+#[test]
+fn a_split_across_hosts_picks_its_own_transports() {
+    const NAME: &str = "a_split_across_hosts_picks_its_own_transports";
+    if !parent_ready(NAME, hybrid_split_body) {
+        return;
+    }
+    let env = |r: usize| {
+        vec![
+            ("RDMACOMM_TIMEOUT".to_string(), "30".to_string()),
+            ("RDMACOMM_TRANSPORT".to_string(), "auto".to_string()),
+            ("RDMACOMM_SHM".to_string(), "1".to_string()),
+            ("LOCAL_WORLD_SIZE".to_string(), "2".to_string()),
+            (
+                "RDMACOMM_HOST_ID".to_string(),
+                format!("split-host-{}", r / 2),
+            ),
+        ]
+    };
+    assert_all_ok(&spawn(
+        NAME,
+        4,
+        Placement::Local,
+        &env,
+        Duration::from_secs(120),
+    ));
+}

@@ -94,6 +94,8 @@ fn strangers_are_ignored_and_the_job_completes() {
             ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
             ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
             ("RDMACOMM_JOB_ID".to_string(), "ours".to_string()),
+            // The library logs through `log`; this installs its minimal writer (stderr).
+            ("RDMACOMM_DEBUG".to_string(), "info".to_string()),
             (
                 "RXE_TEST_DELAY_MS".to_string(),
                 if r == 1 { "500" } else { "1500" }.to_string(),
@@ -115,6 +117,7 @@ fn strangers_are_ignored_and_the_job_completes() {
                     vec![
                         ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
                         ("RDMACOMM_TIMEOUT".to_string(), "12".to_string()),
+                        ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
                         ("RDMACOMM_JOB_ID".to_string(), "theirs".to_string()),
                         ("RDMACOMM_RANK".to_string(), "1".to_string()),
                         ("RDMACOMM_WORLD_SIZE".to_string(), world.clone()),
@@ -150,9 +153,18 @@ fn strangers_are_ignored_and_the_job_completes() {
     }
     let rank0 = &res[0].output;
     assert!(
-        rank0.contains("ignored a connection to the rendezvous"),
-        "strangers are said on stderr: {rank0}"
+        rank0.contains("rdmacomm WARN: ignored a connection to the rendezvous"),
+        "strangers are logged (RDMACOMM_DEBUG's writer, stderr): {rank0}"
     );
+    // Each rank's summary of its communicator, and rank 0's of the job.
+    assert!(
+        rank0.contains("rdmacomm INFO: job \"ours\": 3 ranks"),
+        "{rank0}"
+    );
+    for x in &res {
+        let want = format!("rdmacomm INFO: rank {} of 3: ", x.rank);
+        assert!(x.output.contains(&want), "{want}: {}", x.output);
+    }
     for x in a.iter().chain(b.iter()) {
         assert!(
             x.output.contains("another job"),
@@ -182,6 +194,7 @@ fn a_shared_secret_keeps_out_whoever_lacks_it() {
         let mut v = vec![
             ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
             ("RDMACOMM_TIMEOUT".to_string(), "10".to_string()),
+            ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
             ("RXE_TEST_DELAY_MS".to_string(), "1000".to_string()),
         ];
         if r == 1 {
@@ -204,6 +217,7 @@ fn a_shared_secret_keeps_out_whoever_lacks_it() {
                     vec![
                         ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
                         ("RDMACOMM_TIMEOUT".to_string(), "10".to_string()),
+                        ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
                         ("RDMACOMM_SECRET".to_string(), "guess".to_string()),
                         ("RDMACOMM_RANK".to_string(), "2".to_string()),
                         ("RDMACOMM_WORLD_SIZE".to_string(), "3".to_string()),
@@ -250,6 +264,7 @@ fn ipv6_loopback_works() {
                 ("MASTER_ADDR".to_string(), "::1".to_string()),
                 ("MASTER_PORT".to_string(), port.to_string()),
                 ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
+                ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
             ]
         },
         Duration::from_secs(60),
@@ -345,6 +360,7 @@ fn fake_coordinator(name: &str, secret: Option<&str>) -> (usize, Vec<u8>, String
                     let mut v = vec![
                         ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
                         ("RDMACOMM_TIMEOUT".to_string(), "4".to_string()),
+                        ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
                         ("RDMACOMM_RANK".to_string(), "1".to_string()),
                         ("RDMACOMM_WORLD_SIZE".to_string(), "2".to_string()),
                     ];
@@ -573,6 +589,7 @@ fn an_impostor_on_the_data_port_changes_nothing() {
             vec![
                 ("RDMACOMM_TRANSPORT".to_string(), "tcp".to_string()),
                 ("RDMACOMM_TIMEOUT".to_string(), "15".to_string()),
+                ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
             ]
         },
         Duration::from_secs(60),
@@ -613,6 +630,7 @@ fn a_restarted_rank_takes_its_place() {
         vec![
             ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
             ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
+            ("RDMACOMM_DEBUG".to_string(), "warn".to_string()),
             (
                 "RXE_TEST_DELAY_MS".to_string(),
                 ["0", "8000", "6000"][r].to_string(),

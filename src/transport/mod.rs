@@ -3,6 +3,7 @@
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
 pub mod bootstrap;
+mod descriptors;
 pub mod discover;
 pub mod hybrid;
 pub mod mailbox;
@@ -234,7 +235,7 @@ impl Transport for tcp::TcpTransport {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// Shared memory when the launcher says every rank is on this host; otherwise RDMA where a
-    /// usable device and ACTIVE port exist, TCP where not (said once on stderr), with shared
+    /// usable device and ACTIVE port exist, TCP where not (logged once), with shared
     /// memory to the peers on this host. `RDMACOMM_SHM=0` turns shared memory off.
     Auto,
     /// RDMA (no device is an error); shared memory to same-host peers only with `RDMACOMM_SHM=1`.
@@ -261,25 +262,25 @@ impl Kind {
 }
 
 /// Whether `kind` resolves to RDMA here (for `Auto`: a usable device with an ACTIVE port;
-/// otherwise says once on stderr why TCP is used).
+/// otherwise logs once why TCP is used).
 pub fn resolves_to_rdma(kind: Kind) -> bool {
     match kind {
         Kind::Rdma => true,
         Kind::Tcp | Kind::Shm => false,
-        Kind::Auto => {
-            match crate::verbs::list_ports() {
-                Ok(ports) if ports.iter().any(|p| p.active) => true,
-                other => {
-                    let why = match other {
-                        Ok(_) => "no RDMA port is ACTIVE".to_string(),
-                        Err(e) => e.to_string(),
-                    };
-                    static SAID: std::sync::Once = std::sync::Once::new();
-                    SAID.call_once(|| eprintln!("rdmacomm: using TCP ({why}); set RDMACOMM_TRANSPORT=rdma to require RDMA"));
-                    false
-                }
+        Kind::Auto => match crate::verbs::list_ports() {
+            Ok(ports) if ports.iter().any(|p| p.active) => true,
+            other => {
+                let why = match other {
+                    Ok(_) => "no RDMA port is ACTIVE".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    log::info!("using TCP ({why}); set RDMACOMM_TRANSPORT=rdma to require RDMA")
+                });
+                false
             }
-        }
+        },
     }
 }
 
@@ -300,6 +301,7 @@ pub fn connect_with(
     kind: Kind,
     meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
+    descriptors::ensure(cfg.rank, cfg.world_size)?;
     if kind == Kind::Shm || kind == Kind::Auto && cfg.all_local() {
         return Ok(Box::new(shm::ShmTransport::connect_with(cfg, meet)?));
     }

@@ -9,7 +9,7 @@
 //! process that took rank 0's port learns nothing of a rank's memory or queue pairs. Each
 //! connection has its own deadline and is served as its bytes arrive, so idle or slow strangers
 //! starve nobody; anything that is not a well-formed HELLO of this job is closed and reported once
-//! on stderr, and the rendezvous goes on. Only conflicts inside the job end it: a rank twice with
+//! in the log, and the rendezvous goes on. Only conflicts inside the job end it: a rank twice with
 //! both connections alive, world sizes or shared settings that disagree, a rank whose
 //! configuration is bad. Once every rank is in, rank 0 sends each one its table: a fresh session
 //! key (which the data path's connections prove) and, of every rank, the address and the part of
@@ -339,14 +339,20 @@ fn decode_card(b: &[u8], n: usize) -> Option<Card> {
     })
 }
 
-/// Connections rank 0 ignored, each said once on stderr and remembered for a time-out's words.
+/// Connections rank 0 ignored, each logged (thinned out when many) and remembered for a
+/// time-out's words.
 #[derive(Default)]
 struct Strays(Vec<String>);
 
 impl Strays {
     fn note(&mut self, from: SocketAddr, what: &str) {
         let line = format!("{from}: {what}");
-        eprintln!("rdmacomm: ignored a connection to the rendezvous from {line}");
+        static SAID: crate::diag::Repeated = crate::diag::Repeated::new();
+        if let Some(before) = SAID.allow() {
+            log::warn!(
+                "ignored a connection to the rendezvous from {line} ({before} ignored before)"
+            );
+        }
         if self.0.len() < 8 {
             self.0.push(line);
         }
@@ -427,9 +433,9 @@ fn coordinate(
             let mut dead = false;
             for (r, slot) in joined.iter_mut().enumerate() {
                 if slot.as_ref().is_some_and(|j| closed(&j.sock)) {
-                    eprintln!(
-                        "rdmacomm: rank {r} left the rendezvous before the group formed; waiting \
-                         for it to join again"
+                    log::warn!(
+                        "rank {r} left the rendezvous before the group formed; waiting for it to \
+                         join again"
                     );
                     *slot = None;
                     dead = true;
@@ -693,9 +699,7 @@ fn judge(
     if let Some(old) = joined.get(rank).and_then(|j| j.as_ref()) {
         if closed(&old.sock) {
             // A restarted rank: its first connection is dead, the new one takes its place.
-            eprintln!(
-                "rdmacomm: rank {rank} joined again from {addr}; its first connection was closed"
-            );
+            log::warn!("rank {rank} joined again from {addr}; its first connection was closed");
             joined[rank] = None;
         }
     }

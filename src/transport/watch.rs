@@ -232,30 +232,17 @@ impl Watch {
     pub fn poll_waiting(&mut self, p: usize) -> Result<()> {
         self.poll()?;
         match self.side.leaving_since(p) {
-            Some(t) if t.elapsed() >= LEAVE_GRACE && p != self.rank => {
-                Err(self.left(p, "while it still waited on it"))
-            }
+            Some(t) if t.elapsed() >= LEAVE_GRACE && p != self.rank => Err(self.left(p)),
             _ => Ok(()),
         }
     }
 
-    /// Between operations (health): a peer that closed its communicator is lost to the group.
-    pub fn departed(&mut self) -> Result<()> {
-        self.poll()?;
-        match (0..self.addrs.len())
-            .find(|&p| p != self.rank && self.side.leaving_since(p).is_some())
-        {
-            Some(p) => Err(self.left(p, "before this rank's next operation")),
-            None => Ok(()),
-        }
-    }
-
-    /// Records (and tells the group) that `p` left, seen by this rank `when`.
-    fn left(&mut self, p: usize, when: &str) -> Error {
+    /// Records (and tells the group) that `p` left while this rank waited on it.
+    fn left(&mut self, p: usize) -> Error {
         if self.failed.is_none() {
             let why = format!(
-                "it closed its communicator (dropped it, or its process exited); seen by rank {} \
-                 {when}",
+                "it closed its communicator (dropped it, or its process exited) while rank {} \
+                 still waited on it",
                 self.rank
             );
             self.side.abort(p, &why);

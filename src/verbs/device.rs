@@ -187,7 +187,8 @@ fn device_list() -> Result<DeviceList> {
     }
 }
 
-fn mtu_bytes(m: Mtu) -> usize {
+/// An MTU in bytes.
+pub(crate) fn mtu_bytes(m: Mtu) -> usize {
     match m {
         Mtu::Mtu256 => 256,
         Mtu::Mtu512 => 512,

@@ -7,6 +7,7 @@ pub mod events;
 pub mod memory;
 pub mod queue;
 
+pub(crate) use device::mtu_bytes;
 pub use device::{list_ports, open, DeviceChoice, HcaList, PortInfo, Selected};
 pub use events::{AsyncEvent, AsyncEvents};
 pub use memory::{LentRegion, RegisteredBuffer};

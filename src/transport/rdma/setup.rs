@@ -150,7 +150,14 @@ impl RdmaTransport {
             timeout: cfg.timeout,
             pacer,
             nap: MIN_NAP,
-            device: format!("{} port {} GID[{}]", sel.device, sel.port, sel.gid_index),
+            device: format!(
+                "{} port {} GID[{}] {} MTU {}",
+                sel.device,
+                sel.port,
+                sel.gid_index,
+                std::net::Ipv6Addr::from(sel.gid.raw),
+                crate::verbs::mtu_bytes(sel.mtu)
+            ),
             port: sel.port,
             op: OpDesc::new(OpKind::Barrier, 0),
             op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
