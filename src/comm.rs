@@ -596,9 +596,13 @@ fn summarise(cfg: &Config, (local, nlocal): (usize, usize), described: &str, alg
         return;
     }
     if cfg.rank == 0 {
+        let job = if cfg.job_id.is_empty() {
+            "(no job id)".to_string()
+        } else {
+            format!("{:?}", cfg.job_id)
+        };
         log::info!(
-            "job {:?}: {} ranks, coordinator {}, timeout {:?}, secret {}",
-            cfg.job_id,
+            "job {job}: {} ranks, coordinator {}, timeout {:?}, secret {}",
             cfg.world_size,
             cfg.coordinator,
             cfg.timeout,
