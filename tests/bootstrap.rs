@@ -124,7 +124,9 @@ fn duplicated_rank_is_refused() {
         3,
         Placement::Local,
         &|rank| {
-            let mut v = short();
+            // The conflict is found when the second rank 1 arrives, not at a timeout: a long
+            // one leaves a slow emulated machine time to start all three processes.
+            let mut v = vec![("RDMACOMM_TIMEOUT".into(), "20".into())];
             if rank == 2 {
                 v.push(("RDMACOMM_RANK".into(), "1".into()));
             }

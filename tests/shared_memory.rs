@@ -221,8 +221,11 @@ fn a_rank_on_another_host_is_refused_by_name() {
     }
 }
 
-/// Every rank but rank 1 (which SIGKILLed itself) failed naming rank 1 within 2 s.
+/// Every rank but rank 1 (which SIGKILLed itself) failed naming rank 1 within 2 s (6 s in the
+/// emulated VM, which tears a killed process's memory down before its sockets close, for
+/// seconds at times: the same with builds from before and after a change, paired in one boot).
 fn every_survivor_names_rank_1_soon(outs: &[String]) {
+    let bound = if require_rdma() { 6000 } else { 2000 };
     for (r, out) in outs.iter().enumerate() {
         if r == 1 {
             continue;
@@ -237,7 +240,7 @@ fn every_survivor_names_rank_1_soon(outs: &[String]) {
             .and_then(|t| t.split(" ms:").next())
             .and_then(|t| t.parse().ok())
             .unwrap_or(u64::MAX);
-        assert!(ms < 2000, "rank {r} named rank 1 after {ms} ms: {out}");
+        assert!(ms < bound, "rank {r} named rank 1 after {ms} ms: {out}");
     }
 }
 
