@@ -10,8 +10,9 @@ use std::sync::Arc;
 /// # Errors
 /// Every operation returns, never hangs:
 /// - [`Error::InvalidArgument`]: this rank's buffers do not fit the call (lengths, a rank out of
-///   range: found before anything is sent, and the communicator stays usable), or a peer's
-///   data has another length than this rank's buffer.
+///   range: found before anything is sent), or a peer's data has another length than this
+///   rank's buffer. As its peers may be in the call already, they are told the cause and the
+///   communicator fails on every rank (a world of one stays usable).
 /// - [`Error::Mismatch`]: ranks called different operations, or the same one with different
 ///   arguments, at the same point; every rank involved names both calls.
 /// - [`Error::PeerFailed`], [`Error::Timeout`]: a peer died, broke the protocol or made no

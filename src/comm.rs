@@ -465,7 +465,13 @@ impl Comm {
         }));
         link.release();
         match r {
-            Ok(r) => {
+            Ok(mut r) => {
+                if let Err(Error::Aborted { by, reason }) = &mut r {
+                    if by.rank != self.rank {
+                        // Both sides' calls: the peer's cause, and where this rank stood.
+                        *reason = format!("{reason} (rank {} was in {desc})", self.rank);
+                    }
+                }
                 if let Err(e) = &r {
                     if matches!(e, Error::InvalidArgument(_)) {
                         // Found here, inside the operation (a peer's lengths differ from this
@@ -550,10 +556,37 @@ impl Comm {
     /// once the peers have been told (or the timeout passed while an operation would not
     /// stop).
     pub fn abort(&self, reason: &str) {
-        self.poison_as(Poison::Aborted {
-            by: self.me.clone(),
-            reason: reason.to_string(),
-        });
+        self.end_and_tell(
+            Poison::Aborted {
+                by: self.me.clone(),
+                reason: reason.to_string(),
+            },
+            reason,
+        );
+    }
+
+    /// A call refused on this rank (`e`, found before it reached the wire) while its peers may be
+    /// in that call already: they are told the cause, as by an abort, and the communicator
+    /// refuses further work, as after any failure. A call from a thread that does not own it, on
+    /// a failed communicator or in a world of one ends nothing.
+    #[cold]
+    pub(crate) fn refused(&self, e: Error) -> Error {
+        if !matches!(e, Error::InvalidArgument(_))
+            || self.size == 1
+            || self.check_thread(&"").is_err()
+            || self.check_usable().is_err()
+        {
+            return e;
+        }
+        let why = format!("rank {} refused its call: {e}", self.rank);
+        self.end_and_tell(Poison::Failed(why.clone()), &why);
+        e
+    }
+
+    /// Poisons this communicator with `poison` and tells the peers `reason` (see
+    /// [`Comm::abort`]).
+    fn end_and_tell(&self, poison: Poison, reason: &str) {
+        self.poison_as(poison);
         // An operation held between its caller's calls goes on, to see the abort.
         self.gate.hold(false);
         let Some(req) = &self.abort_request else {
@@ -794,12 +827,12 @@ impl Communicator for Comm {
     }
 
     fn all_reduce(&self, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
-        check_all_reduce(dtype, data)?;
+        check_all_reduce(dtype, data).map_err(|e| self.refused(e))?;
         self.all_reduce_checked(op, dtype, data)
     }
 
     fn all_gather(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
-        check_all_gather(self.size, input, output)?;
+        check_all_gather(self.size, input, output).map_err(|e| self.refused(e))?;
         let n = input.len();
         if self.size == 1 {
             self.alone("all_gather")?;
@@ -814,7 +847,7 @@ impl Communicator for Comm {
     }
 
     fn send(&self, dst: usize, data: &[u8]) -> Result<()> {
-        check_peer("send", self.rank, self.size, dst)?;
+        check_peer("send", self.rank, self.size, dst).map_err(|e| self.refused(e))?;
         self.with_link(
             OpDesc::new(OpKind::SendRecv, data.len()),
             Scope::To(dst),
@@ -826,7 +859,7 @@ impl Communicator for Comm {
     }
 
     fn recv(&self, src: usize, data: &mut [u8]) -> Result<()> {
-        check_peer("recv", self.rank, self.size, src)?;
+        check_peer("recv", self.rank, self.size, src).map_err(|e| self.refused(e))?;
         self.with_link(
             OpDesc::new(OpKind::SendRecv, data.len()),
             Scope::From(src),
@@ -835,7 +868,7 @@ impl Communicator for Comm {
     }
 
     fn sum_scatter(&self, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<()> {
-        check_sum_scatter(self.size, dtype, input, output)?;
+        check_sum_scatter(self.size, dtype, input, output).map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("sum_scatter")?;
             crate::copy::copy(output, input);
@@ -914,7 +947,7 @@ impl Communicator for Comm {
     }
 
     fn broadcast(&self, root: usize, data: &mut [u8]) -> Result<()> {
-        check_root(root, self.size)?;
+        check_root(root, self.size).map_err(|e| self.refused(e))?;
         if self.size == 1 {
             return self.alone("broadcast");
         }
@@ -950,7 +983,7 @@ impl Communicator for Comm {
     }
 
     fn all_to_all(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
-        check_all_to_all(self.size, input, output)?;
+        check_all_to_all(self.size, input, output).map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("all_to_all")?;
             crate::copy::copy(output, input);
@@ -976,7 +1009,8 @@ impl Communicator for Comm {
         output: &mut [u8],
         recv_lens: &[usize],
     ) -> Result<()> {
-        check_all_to_allv(self.rank, self.size, input, send_lens, output, recv_lens)?;
+        check_all_to_allv(self.rank, self.size, input, send_lens, output, recv_lens)
+            .map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("all_to_allv")?;
             crate::copy::copy(output, input);
@@ -1001,8 +1035,8 @@ impl Communicator for Comm {
     }
 
     fn reduce(&self, root: usize, op: AllReduce, dtype: DType, data: &mut [u8]) -> Result<()> {
-        check_root(root, self.size)?;
-        check_all_reduce(dtype, data)?;
+        check_root(root, self.size).map_err(|e| self.refused(e))?;
+        check_all_reduce(dtype, data).map_err(|e| self.refused(e))?;
         if self.size == 1 {
             return self.alone("reduce");
         }
@@ -1025,7 +1059,7 @@ impl Communicator for Comm {
     }
 
     fn gather(&self, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
-        check_gather(self.rank, self.size, root, input, output)?;
+        check_gather(self.rank, self.size, root, input, output).map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("gather")?;
             crate::copy::copy(output, input);
@@ -1041,7 +1075,7 @@ impl Communicator for Comm {
     }
 
     fn scatter(&self, root: usize, input: &[u8], output: &mut [u8]) -> Result<()> {
-        check_scatter(self.rank, self.size, root, input, output)?;
+        check_scatter(self.rank, self.size, root, input, output).map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("scatter")?;
             crate::copy::copy(output, input);
@@ -1057,7 +1091,8 @@ impl Communicator for Comm {
     }
 
     fn all_gather_v(&self, input: &[u8], output: &mut [u8], lens: &[usize]) -> Result<()> {
-        check_all_gather_v(self.rank, self.size, input, output, lens)?;
+        check_all_gather_v(self.rank, self.size, input, output, lens)
+            .map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("all_gather_v")?;
             crate::copy::copy(output, input);
@@ -1082,7 +1117,8 @@ impl Communicator for Comm {
         output: &mut [u8],
         lens: &[usize],
     ) -> Result<()> {
-        check_reduce_scatter_v(self.rank, self.size, dtype, input, output, lens)?;
+        check_reduce_scatter_v(self.rank, self.size, dtype, input, output, lens)
+            .map_err(|e| self.refused(e))?;
         if self.size == 1 {
             self.alone("reduce_scatter_v")?;
             crate::copy::copy(output, input);
@@ -1108,8 +1144,8 @@ impl Communicator for Comm {
     }
 
     fn sendrecv(&self, dst: usize, send: &[u8], src: usize, recv: &mut [u8]) -> Result<()> {
-        check_peer("send", self.rank, self.size, dst)?;
-        check_peer("recv", self.rank, self.size, src)?;
+        check_peer("send", self.rank, self.size, dst).map_err(|e| self.refused(e))?;
+        check_peer("recv", self.rank, self.size, src).map_err(|e| self.refused(e))?;
         // A batch of these two (what the other rank may call), without a batch's lists.
         let (to, from) = ([dst], [src]);
         let scope = Scope::Peers {
@@ -1122,7 +1158,7 @@ impl Communicator for Comm {
     }
 
     fn batch(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        check_batch(self.rank, self.size, ops)?;
+        check_batch(self.rank, self.size, ops).map_err(|e| self.refused(e))?;
         if ops.is_empty() {
             return self.alone("batch");
         }

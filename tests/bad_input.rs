@@ -185,21 +185,31 @@ fn mismatch_body(what: &str) {
             c.sendrecv(1 - r, &[1u8; 16], 1 - r, &mut vec![0u8; want])
                 .and_then(|()| c.barrier())
         }
+        // Rank 0's 7 bytes are no whole f32: refused there before anything is sent, while rank
+        // 1 is in the call with 8; rank 1 must learn the cause (it used to wait out the timeout
+        // and then blame a reset connection), and rank 0 must not block dropping its communicator.
+        "refused" => {
+            let len = if r == 0 { 7 } else { 8 };
+            c.all_reduce(AllReduce::Sum, DType::f32, &mut vec![0u8; len])
+        }
         _ => {
             let elems = if r == 0 { 1024 } else { 1000 };
             c.all_reduce(AllReduce::Sum, DType::f32, &mut vec![0u8; elems * 4])
         }
     };
     let secs = start.elapsed().as_secs_f64();
-    match res {
-        Ok(()) => println!("RESULT rank {r}: OK"),
-        Err(e) => println!("RESULT rank {r}: ERROR after {secs:.2} s: {e}"),
-    }
+    let line = match res {
+        Ok(()) => format!("RESULT rank {r}: OK"),
+        Err(e) => format!("RESULT rank {r}: ERROR after {secs:.2} s: {e}"),
+    };
+    drop(c);
+    let dropped = start.elapsed().as_secs_f64() - secs;
+    println!("{line}; dropped in {dropped:.2} s");
 }
 
 #[test]
 fn length_mismatch_between_ranks_is_named() {
-    for what in ["recv", "all_reduce", "sendrecv"] {
+    for what in ["recv", "all_reduce", "sendrecv", "refused"] {
         let name = "length_mismatch_between_ranks_is_named";
         if is_child(name) {
             if std::env::var("MISMATCH_CASE").as_deref() == Ok(what) {
@@ -231,10 +241,16 @@ fn length_mismatch_between_ranks_is_named() {
                 "rank 0 called send/recv(100 B) as operation 0 where rank 1 called send/recv(60 B)"
             }
             "sendrecv" => "received 16 bytes from rank 0 where 8 were expected",
+            "refused" => "all_reduce buffer has 7 bytes, not a multiple of the f32 element size 4",
             _ => "called all_reduce(f32, sum, 4000 B, auto) as operation 0 where rank",
         };
         assert!(all.contains(want), "{what}: no clear error:\n{all}");
-        if what == "sendrecv" {
+        if what == "refused" {
+            // Both sides' lengths: the cause from rank 0, where rank 1 stood.
+            let at = "rank 1 was in all_reduce(f32, sum, 8 B";
+            assert!(all.contains(at), "{what}: not both sides:\n{all}");
+        }
+        if what == "sendrecv" || what == "refused" {
             // Both ranks fail with the cause, well within the 20 s timeout: the rank that found
             // it tells the other (which used to wait out the timeout and blame a stall).
             for x in &r {
@@ -247,6 +263,13 @@ fn length_mismatch_between_ranks_is_named() {
                     .and_then(|t| t.parse().ok())
                     .unwrap_or(f64::MAX);
                 assert!(secs < 2.0, "rank {} took {secs} s: {line}", x.rank);
+                let dropped: f64 = line
+                    .split("dropped in ")
+                    .nth(1)
+                    .and_then(|t| t.split(' ').next())
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(f64::MAX);
+                assert!(dropped < 2.0, "rank {} dropped in {dropped} s", x.rank);
             }
         }
         for x in &r {

@@ -37,42 +37,45 @@ fn body() {
     let ok = |what: &str, res: rdmacomm::Result<()>| {
         res.unwrap_or_else(|e| panic!("rank {r}: {what}: {e}"));
     };
-    // Bad arguments are named before anything is sent; the communicator stays usable.
+    // Bad arguments are named before anything is sent. A world of one stays usable after them;
+    // with peers the communicator ends on every rank (checked at the end).
     let bad = |what: &str, res: rdmacomm::Result<()>, want: &str| {
         let e = res.expect_err(what).to_string();
         assert!(e.contains(want), "rank {r}: {what}: {e}");
     };
-    bad(
-        "all_to_all",
-        c.all_to_all(&[0u8; 8 * 5], &mut [0u8; 4]),
-        "all_to_all",
-    );
-    let too_many = vec![0usize; n + 1];
-    bad(
-        "all_to_allv",
-        c.all_to_allv(&[], &too_many, &mut [], &too_many),
-        "entries",
-    );
-    bad("gather", c.gather(n, &[1], &mut []), "out of range");
-    if r == 0 {
+    if n == 1 {
         bad(
-            "gather",
-            c.gather(0, &[1, 2], &mut [0u8; 1]),
-            "gather: the root's output has 1 bytes",
+            "all_to_all",
+            c.all_to_all(&[0u8; 8 * 5], &mut [0u8; 4]),
+            "all_to_all",
         );
+        let too_many = vec![0usize; n + 1];
+        bad(
+            "all_to_allv",
+            c.all_to_allv(&[], &too_many, &mut [], &too_many),
+            "entries",
+        );
+        bad("gather", c.gather(n, &[1], &mut []), "out of range");
+        if r == 0 {
+            bad(
+                "gather",
+                c.gather(0, &[1, 2], &mut [0u8; 1]),
+                "gather: the root's output has 1 bytes",
+            );
+        }
+        bad(
+            "reduce_scatter_v",
+            c.reduce_scatter_v(
+                AllReduce::Sum,
+                DType::f32,
+                &[0u8; 6],
+                &mut [0u8; 6],
+                &[6; 1],
+            ),
+            "reduce_scatter_v",
+        );
+        bad("sendrecv", c.sendrecv(r, &[1], r, &mut [0]), "itself");
     }
-    bad(
-        "reduce_scatter_v",
-        c.reduce_scatter_v(
-            AllReduce::Sum,
-            DType::f32,
-            &[0u8; 6],
-            &mut [0u8; 6],
-            &[6; 1],
-        ),
-        "reduce_scatter_v",
-    );
-    bad("sendrecv", c.sendrecv(r, &[1], r, &mut [0]), "itself");
     // all_to_all: equal blocks from empty to several chunks; on 2 ranks also blocks that TCP
     // exchanges pairwise.
     let big = if n <= 2 { (8 << 20) + 13 } else { 0 };
@@ -208,7 +211,8 @@ fn body() {
         }
     }
     // The typed front: counts in elements.
-    let g = Group::new(Arc::new(c));
+    let c = Arc::new(c);
+    let g = Group::new(c.clone());
     let counts: Vec<usize> = (0..n).map(|q| q + 1).collect();
     let mine: Vec<f64> = (0..=r).map(|i| (r * 100 + i) as f64).collect();
     let mut all = vec![0f64; counts.iter().sum()];
@@ -226,6 +230,26 @@ fn body() {
         assert_eq!(s, vec![(n * (n + 1) / 2) as i64; 3], "typed reduce");
     }
     ok("barrier", g.barrier());
+    if n > 1 {
+        // A call refused on one rank while the others are in it: every rank fails with rank 0's
+        // cause within a second (they used to wait out the timeout), and refuses further work.
+        let t = std::time::Instant::now();
+        let mut out = vec![0u8; if r == 0 { 1 } else { 0 }];
+        // A sender may finish its part before the root refuses: its next call fails then.
+        let e = c
+            .gather(0, &[1, 2], &mut out)
+            .and_then(|()| c.barrier())
+            .expect_err("a refused gather");
+        let took = t.elapsed();
+        let want = "gather: the root's output has 1 bytes";
+        assert!(e.to_string().contains(want), "rank {r}: {e}");
+        assert!(
+            took < Duration::from_secs(2),
+            "rank {r}: told after {took:?}"
+        );
+        let later = c.barrier().expect_err("a failed communicator");
+        assert!(later.to_string().contains(want), "rank {r}: {later}");
+    }
     println!("rank {r}: the collective set checked");
 }
 

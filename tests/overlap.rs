@@ -93,24 +93,33 @@ fn in_flight_body() {
             "rank {r}: dropped handle"
         );
     }
-    // Bad arguments are refused at the start, and the communicator stays usable.
+    // Bad arguments are refused at the start; as the peers may be in the call already, the
+    // communicator then fails on every rank (each refuses alike here, on a dup of its own).
     let mut odd = vec![0f32; 3 * n + 1];
     let mut out = vec![0f32; 3 * n + 2];
-    let started = c
+    let d = c.dup().unwrap();
+    let started = d
         .overlap(|s| s.all_to_all(&odd, &mut out).map(|_| ()))
         .unwrap();
     assert!(
         matches!(&started, Err(Error::InvalidArgument(m)) if m.contains("all_to_all")),
         "{started:?}"
     );
+    if n > 1 {
+        let later = d.barrier().unwrap_err().to_string();
+        assert!(later.contains("all_to_all"), "rank {r}: {later}");
+    }
+    drop(d);
     odd.truncate(3 * n);
-    let e = c
+    let d = c.dup().unwrap();
+    let e = d
         .overlap(|s| s.sendrecv(r, &odd, r, &mut out).map(|_| ()))
         .unwrap();
     assert!(
         matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("itself")),
         "{e:?}"
     );
+    drop(d);
     // Blocking operations after the scopes, and a nested scope refused.
     let mut after = filled(7, r, 100);
     c.all_reduce(
@@ -440,23 +449,25 @@ fn a_blocking_call_runs_the_operations_started_before_it() {
 }
 
 /// Rank 0 sends one 16 MiB chunk (`RDMACOMM_TCP_CHUNK`, more than the sockets hold) under caller
-/// progress to rank 1, which is late by `LATE`, and carries it by `test()` alone: no test may
+/// progress to rank 1, which is late by 1.5 s (4 s in the VM), and carries it by `test()` alone: no test may
 /// wait for the late peer (the data still queued for it leaves through the operation's waits,
 /// where a test stops). Rank 1 checks every element.
 fn late_peer_body() {
-    const LATE: Duration = Duration::from_millis(1500);
+    // Longer in the emulated VM, where moving 16 MiB over rxe alone takes a few hundred ms.
+    let late = Duration::from_millis(if require_rdma() { 4000 } else { 1500 });
     let (r, _) = rank_size();
     let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
     let len = (16 << 20) / 4;
+    // Both buffers made before the barrier, so that the lateness is rank 1's sleep alone.
+    let data = filled(7, 0, len);
+    let mut got = vec![0f32; len];
     c.barrier().unwrap();
     if r == 1 {
-        std::thread::sleep(LATE);
-        let mut got = vec![0f32; len];
+        std::thread::sleep(late);
         c.recv(0, bytemuck::cast_slice_mut(&mut got)).unwrap();
-        assert_eq!(got, filled(7, 0, len), "rank 1: the data from rank 0");
+        assert_eq!(got, data, "rank 1: the data from rank 0");
         return;
     }
-    let data = filled(7, 0, len);
     let (tests, longest) = c
         .overlap_with(
             Progress::Caller,
@@ -481,7 +492,7 @@ fn late_peer_body() {
         .unwrap_or_else(|e| panic!("rank {r}: {e}"));
     println!("RESULT rank 0: {tests} tests, the longest {longest:?}");
     assert!(
-        longest < LATE / 4,
+        longest < late / 4,
         "a test() waited {longest:?} for the late peer"
     );
 }

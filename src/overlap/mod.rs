@@ -301,7 +301,7 @@ impl<'env> Overlap<'env> {
         dtype: DType,
         data: &'env mut [u8],
     ) -> Result<Pending<'_, &'env mut [u8]>> {
-        check_all_reduce(dtype, data)?;
+        check_all_reduce(dtype, data).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| (c.all_reduce_checked(op, dtype, data), data))
     }
 
@@ -312,7 +312,7 @@ impl<'env> Overlap<'env> {
         output: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
         let (i, o) = (bytemuck::cast_slice(input), bytemuck::cast_slice(output));
-        check_all_gather(self.comm.size(), i, o)?;
+        check_all_gather(self.comm.size(), i, o).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| {
             let r = c.all_gather(
                 bytemuck::cast_slice(input),
@@ -338,7 +338,8 @@ impl<'env> Overlap<'env> {
             bytemuck::cast_slice(input),
             bytemuck::cast_slice(output),
             &lens,
-        )?;
+        )
+        .map_err(|e| self.comm.refused(e))?;
         self.start(move |c| {
             let r = c.reduce_scatter_v(
                 op,
@@ -357,7 +358,7 @@ impl<'env> Overlap<'env> {
         data: &'env mut [T],
         root: usize,
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        check_root(root, self.comm.size())?;
+        check_root(root, self.comm.size()).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| (c.broadcast(root, bytemuck::cast_slice_mut(data)), data))
     }
 
@@ -368,7 +369,7 @@ impl<'env> Overlap<'env> {
         op: AllReduce,
         root: usize,
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        check_root(root, self.comm.size())?;
+        check_root(root, self.comm.size()).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| {
             let r = c.reduce(root, op, T::DTYPE, bytemuck::cast_slice_mut(data));
             (r, data)
@@ -382,7 +383,7 @@ impl<'env> Overlap<'env> {
         output: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
         let (i, o) = (bytemuck::cast_slice(input), bytemuck::cast_slice(output));
-        check_all_to_all(self.comm.size(), i, o)?;
+        check_all_to_all(self.comm.size(), i, o).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| {
             let r = c.all_to_all(
                 bytemuck::cast_slice(input),
@@ -398,7 +399,8 @@ impl<'env> Overlap<'env> {
         dst: usize,
         data: &'env [T],
     ) -> Result<Pending<'_, ()>> {
-        check_peer("send", self.comm.rank(), self.comm.size(), dst)?;
+        check_peer("send", self.comm.rank(), self.comm.size(), dst)
+            .map_err(|e| self.comm.refused(e))?;
         self.start(move |c| (c.send(dst, bytemuck::cast_slice(data)), ()))
     }
 
@@ -408,7 +410,8 @@ impl<'env> Overlap<'env> {
         src: usize,
         data: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        check_peer("recv", self.comm.rank(), self.comm.size(), src)?;
+        check_peer("recv", self.comm.rank(), self.comm.size(), src)
+            .map_err(|e| self.comm.refused(e))?;
         self.start(move |c| (c.recv(src, bytemuck::cast_slice_mut(data)), data))
     }
 
@@ -421,8 +424,8 @@ impl<'env> Overlap<'env> {
         recv: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
         let (me, n) = (self.comm.rank(), self.comm.size());
-        check_peer("send", me, n, dst)?;
-        check_peer("recv", me, n, src)?;
+        check_peer("send", me, n, dst).map_err(|e| self.comm.refused(e))?;
+        check_peer("recv", me, n, src).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| {
             let r = c.sendrecv(
                 dst,
