@@ -262,16 +262,36 @@ impl Comm {
     /// (for abort and health) at its first rank, whose address also goes over this
     /// communicator. The result is independent of this one: either can be used or dropped first.
     pub fn split_comm(&self, color: i32, key: i32) -> Result<Comm> {
-        let (n, r) = (self.size, self.rank);
-        let mut mine = [0u8; 8];
-        mine[..4].copy_from_slice(&color.to_le_bytes());
-        mine[4..].copy_from_slice(&key.to_le_bytes());
-        if n == 1 {
+        if self.size == 1 {
             // A world of one splits (and dups) into a world of one.
             self.alone("split")?;
             return Ok(Comm::with_link_of(self.cfg.clone(), None, self.algorithm()));
         }
         self.check_thread(&"split")?;
+        self.split_setup(color, key)
+            .map_err(|e| self.set_up_failed(e))
+    }
+
+    /// A rank that failed setting up its subgroup (not in this communicator's operations, whose
+    /// failures are told already) tells the others, who may wait on it in the split's steps.
+    #[cold]
+    fn set_up_failed(&self, e: Error) -> Error {
+        if self.check_usable().is_ok() {
+            let why = format!(
+                "rank {} could not set up its subgroup in split: {e}",
+                self.rank
+            );
+            self.end_and_tell(Poison::Failed(why.clone()), &why);
+        }
+        e
+    }
+
+    /// [`Comm::split_comm`] beyond a world of one, from the owning thread.
+    fn split_setup(&self, color: i32, key: i32) -> Result<Comm> {
+        let (n, r) = (self.size, self.rank);
+        let mut mine = [0u8; 8];
+        mine[..4].copy_from_slice(&color.to_le_bytes());
+        mine[4..].copy_from_slice(&key.to_le_bytes());
         let mut all = vec![0u8; 8 * n];
         self.split_step(1, &mine, &mut all)?;
         let entry = |q: usize| {

@@ -217,3 +217,47 @@ fn a_split_across_hosts_picks_its_own_transports() {
         Duration::from_secs(120),
     ));
 }
+
+/// Rank 2 of 3 cannot set up its subgroup {0, 2} (its descriptor limit, lowered after the world
+/// was made, is below what a group of two needs): every rank fails the split within 2 s naming
+/// rank 2 and the limit. Ranks 0 and 1 used to wait in the split's steps for the whole timeout.
+fn failed_set_up_body() {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    c.barrier().unwrap();
+    if r == 2 {
+        let low = libc::rlimit {
+            rlim_cur: 66,
+            rlim_max: 66,
+        };
+        // SAFETY: setrlimit reads one valid rlimit; lowering a limit needs no privilege.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
+    }
+    let t = std::time::Instant::now();
+    let e = c
+        .split_comm((r % 2) as i32, r as i32)
+        .map(|_| ())
+        .expect_err("a split that rank 2 cannot set up");
+    let took = t.elapsed();
+    let text = e.to_string();
+    // Rank 2 has its own error; the others name it.
+    assert!(
+        text.contains("descriptor") && (r == 2 || text.contains("rank 2 could not set up")),
+        "rank {r}: {text}"
+    );
+    assert!(took < Duration::from_secs(2), "rank {r}: after {took:?}");
+    let later = c.barrier().unwrap_err().to_string();
+    assert!(later.contains("descriptor"), "rank {r}: {later}");
+    println!("RESULT rank {r}: {text}");
+}
+
+#[test]
+fn a_failed_split_set_up_is_told_to_every_rank() {
+    const NAME: &str = "a_failed_split_set_up_is_told_to_every_rank";
+    if !parent_ready(NAME, failed_set_up_body) {
+        return;
+    }
+    let env = |_| vec![("RDMACOMM_TIMEOUT".to_string(), "30".to_string())];
+    let res = spawn(NAME, 3, Placement::Local, &env, Duration::from_secs(90));
+    assert_all_ok(&res);
+}
