@@ -479,6 +479,7 @@ impl Comm {
             return Err(Error::Poisoned(format!("rank {} has no link", self.rank)));
         };
         link.start(&desc, scope);
+        link.watch_mut().started(&desc, scope);
         let scratch = &mut inner.scratch;
         let r = catch_unwind(AssertUnwindSafe(|| {
             f(&mut *link, scratch).and_then(|v| crate::collectives::pause::finish(link).map(|_| v))

@@ -192,6 +192,10 @@ fn mismatch_body(what: &str) {
             let len = if r == 0 { 7 } else { 8 };
             c.all_reduce(AllReduce::Sum, DType::f32, &mut vec![0u8; len])
         }
+        // Both wait to receive (rank 0 is reduce's root, rank 1 gather's): no chunk moves, so no
+        // descriptor is compared on the data path; each tells the other what it waits for.
+        "receivers" if r == 0 => c.reduce(0, AllReduce::Sum, DType::f32, &mut [0u8; 16]),
+        "receivers" => c.gather(1, &[0u8; 16], &mut [0u8; 32]),
         _ => {
             let elems = if r == 0 { 1024 } else { 1000 };
             c.all_reduce(AllReduce::Sum, DType::f32, &mut vec![0u8; elems * 4])
@@ -209,7 +213,7 @@ fn mismatch_body(what: &str) {
 
 #[test]
 fn length_mismatch_between_ranks_is_named() {
-    for what in ["recv", "all_reduce", "sendrecv", "refused"] {
+    for what in ["recv", "all_reduce", "sendrecv", "refused", "receivers"] {
         let name = "length_mismatch_between_ranks_is_named";
         if is_child(name) {
             if std::env::var("MISMATCH_CASE").as_deref() == Ok(what) {
@@ -242,6 +246,7 @@ fn length_mismatch_between_ranks_is_named() {
             }
             "sendrecv" => "received 16 bytes from rank 0 where 8 were expected",
             "refused" => "all_reduce buffer has 7 bytes, not a multiple of the f32 element size 4",
+            "receivers" => "where rank 0 called reduce(f32, sum, root 0, 16 B",
             _ => "called all_reduce(f32, sum, 4000 B, auto) as operation 0 where rank",
         };
         assert!(all.contains(want), "{what}: no clear error:\n{all}");
@@ -250,7 +255,7 @@ fn length_mismatch_between_ranks_is_named() {
             let at = "rank 1 was in all_reduce(f32, sum, 8 B";
             assert!(all.contains(at), "{what}: not both sides:\n{all}");
         }
-        if what == "sendrecv" || what == "refused" {
+        if matches!(what, "sendrecv" | "refused" | "receivers") {
             // Both ranks fail with the cause, well within the 20 s timeout: the rank that found
             // it tells the other (which used to wait out the timeout and blame a stall).
             for x in &r {
@@ -322,4 +327,44 @@ fn a_second_communicator_asking_other_kernels_is_refused() {
         return;
     }
     kernels_body();
+}
+
+/// Rank 0 works outside rdmacomm for 3 s while rank 2 refuses a call that rank 1 is in: rank 1
+/// learns the cause within 2 s, through rank 0's relay thread (the side channel is a star through
+/// rank 0, whose own thread is busy). It used to wait for rank 0's next call.
+fn busy_root_body() {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    c.barrier().unwrap();
+    let start = std::time::Instant::now();
+    let res = match r {
+        0 => {
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            return;
+        }
+        1 => c.recv(2, &mut [0u8; 8]),
+        _ => c.send(7, &[0u8; 8]),
+    };
+    let secs = start.elapsed().as_secs_f64();
+    let e = res.expect_err("a refused call").to_string();
+    assert!(e.contains("rank 7 is out of range"), "rank {r}: {e}");
+    assert!(secs < 2.0, "rank {r}: told after {secs:.2} s: {e}");
+    println!("RESULT rank {r}: after {secs:.2} s: {e}");
+}
+
+#[test]
+fn a_failure_between_others_passes_a_busy_rank_0() {
+    const NAME: &str = "a_failure_between_others_passes_a_busy_rank_0";
+    if !parent_ready(NAME, busy_root_body) {
+        return;
+    }
+    let env = |_| vec![("RDMACOMM_TIMEOUT".to_string(), "20".to_string())];
+    let res = spawn(
+        NAME,
+        3,
+        Placement::Local,
+        &env,
+        std::time::Duration::from_secs(60),
+    );
+    assert_all_ok(&res);
 }

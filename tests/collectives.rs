@@ -275,22 +275,29 @@ fn body() {
         let want: Vec<u8> = (0..bytes).map(|i| (int_val(from, i) >> 8) as u8).collect();
         assert!(got == want, "recv {bytes} B from rank {from}: wrong bytes");
     }
-    // Bad input: clear errors, before any traffic, and the communicator still works after.
+    // Bad input: clear errors, before any traffic. With peers that ends the communicator on
+    // every rank (they may be in the call), so a dup takes them; the world works after.
+    let d = c.dup().unwrap();
     let mut odd = vec![0u8; 6];
-    let e = c
+    let e = d
         .all_reduce(AllReduce::Sum, DType::f32, &mut odd)
         .unwrap_err()
         .to_string();
     assert!(e.contains("multiple of the f32 element size 4"), "{e}");
-    let e = c
+    let e = d
         .all_gather(&[1, 2], &mut [0u8; 3])
         .unwrap_err()
         .to_string();
     assert!(e.contains("all_gather: output has 3 bytes"), "{e}");
-    let e = c.send(r, &[1]).unwrap_err().to_string();
+    let e = d.send(r, &[1]).unwrap_err().to_string();
     assert!(e.contains("itself"), "{e}");
-    let e = c.recv(n, &mut [0]).unwrap_err().to_string();
+    let e = d.recv(n, &mut [0]).unwrap_err().to_string();
     assert!(e.contains("out of range"), "{e}");
+    if n > 1 {
+        let later = d.barrier().unwrap_err().to_string();
+        assert!(later.contains("refused its call"), "{later}");
+    }
+    drop(d);
     let mut one = fill(DType::i32, AllReduce::Sum, r, 3);
     c.all_reduce(AllReduce::Sum, DType::i32, &mut one).unwrap();
     check_all_reduce(DType::i32, AllReduce::Sum, n, &one).unwrap();

@@ -221,7 +221,8 @@ impl Link for HybridTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.net.watch_mut().poll_waiting(waiting_on)?;
+                let stalled = self.pacer.stalled_for();
+                self.net.watch_mut().poll_waiting(waiting_on, stalled)?;
                 std::thread::sleep(NAP);
             }
             Wait::Expired => {

@@ -72,6 +72,8 @@ pub struct Pacer {
     idle_since: Instant,
     /// The phase chosen at the last clock read.
     phase: Wait,
+    /// The last clock read.
+    last_read: Instant,
 }
 
 impl Pacer {
@@ -89,6 +91,7 @@ impl Pacer {
             last_progress: now,
             idle_since: now,
             phase: Wait::Spin,
+            last_read: now,
         }
     }
 
@@ -104,6 +107,14 @@ impl Pacer {
     #[inline]
     pub fn begin(&mut self) {
         self.progress();
+    }
+
+    /// How long the wait had gone without progress at the last clock read.
+    pub fn stalled_for(&self) -> Duration {
+        if self.progressed {
+            return Duration::ZERO;
+        }
+        self.last_read.saturating_duration_since(self.last_progress)
     }
 
     /// Changes the timeout (e.g. shorter at teardown).
@@ -132,6 +143,7 @@ impl Pacer {
         }
         self.since_read = 0;
         let now = Instant::now();
+        self.last_read = now;
         if self.progressed {
             self.progressed = false;
             self.last_progress = now;

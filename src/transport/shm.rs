@@ -154,7 +154,8 @@ impl Link for ShmTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch.poll_waiting(waiting_on)?;
+                self.watch
+                    .poll_waiting(waiting_on, self.pacer.stalled_for())?;
                 std::thread::sleep(NAP);
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),

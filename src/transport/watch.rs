@@ -2,7 +2,8 @@
 //! channel, learn of others' from it, and decide whom to blame.
 
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{SideChannel, STALL_VERDICT, STALL_WINDOW};
+use crate::transport::bootstrap::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
+use crate::transport::op::{OpDesc, OpKind, Scope};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,6 +46,13 @@ pub const LEAVE_GRACE: Duration = Duration::from_millis(200);
 /// Progress calls between reads of the side channel while a transport spins or yields.
 pub const SIDE_POLL_EVERY: u32 = 1024;
 
+/// How long a wait on a peer goes without progress before this rank tells the peer what it
+/// waits for ([`SideChannel::probe`]): a peer that called something else says so at once.
+pub const PROBE_AFTER: Duration = Duration::from_millis(100);
+
+/// Operations toward each peer remembered for comparing with its probes.
+const HISTORY: usize = 4;
+
 /// The side channel and the first failure of one rank's transport.
 pub struct Watch {
     side: SideChannel,
@@ -53,11 +61,20 @@ pub struct Watch {
     addrs: Vec<String>,
     calls: u32,
     request: Arc<AbortRequest>,
+    /// The operation under way, numbered per peer as the transports number it.
+    op: OpDesc,
+    seq_out: Vec<u64>,
+    seq_in: Vec<u64>,
+    /// Per peer, the last [`HISTORY`] operations toward it: (number, descriptor).
+    sent: Vec<[(u64, OpDesc); HISTORY]>,
+    /// Whether this operation's wait was told to the peer waited on.
+    probed: bool,
 }
 
 impl Watch {
     /// Watches through `side` for `rank`, whose group's host addresses are `addrs`.
     pub fn new(side: SideChannel, rank: usize, addrs: Vec<String>) -> Watch {
+        let n = addrs.len();
         Watch {
             side,
             failed: None,
@@ -65,6 +82,11 @@ impl Watch {
             addrs,
             calls: 0,
             request: Arc::default(),
+            op: OpDesc::new(OpKind::Barrier, 0),
+            sent: vec![[(0, OpDesc::new(OpKind::Barrier, 0)); HISTORY]; n],
+            seq_out: vec![0; n],
+            seq_in: vec![0; n],
+            probed: false,
         }
     }
 
@@ -217,19 +239,90 @@ impl Watch {
         }
     }
 
-    /// Reads the side channel now: a peer's abort or a closed connection becomes our failure.
+    /// Operation `op` starts with the peers of `scope` (numbered as the transports number it).
+    pub fn started(&mut self, op: &OpDesc, scope: Scope) {
+        self.op = *op;
+        self.probed = false;
+        for p in 0..self.seq_out.len() {
+            if scope.counts(p, true) {
+                let k = self.seq_out[p].wrapping_add(1);
+                self.seq_out[p] = k;
+                self.sent[p][k as usize % HISTORY] = (k, *op);
+            }
+            if scope.counts(p, false) {
+                self.seq_in[p] = self.seq_in[p].wrapping_add(1);
+            }
+        }
+    }
+
+    /// Reads the side channel now: a peer's abort or a closed connection becomes our failure,
+    /// as does a peer's probe that shows it waits on this rank in another call.
     pub fn poll(&mut self) -> Result<()> {
         self.take_request();
         self.side.poll();
         if self.failed.is_none() {
             self.failed = self.side.failure();
         }
+        if self.failed.is_none() {
+            for pr in self.side.take_probes() {
+                if let Some(why) = self.deadlocked(&pr) {
+                    return Err(self.mismatch(pr.from, why));
+                }
+            }
+        }
         self.error().map_or(Ok(()), Err)
     }
 
-    /// [`Watch::poll`] while waiting on `p`, after a nap: also fails when `p` closed its
-    /// communicator at least [`LEAVE_GRACE`] ago (time for what it sent before to arrive).
-    pub fn poll_waiting(&mut self, p: usize) -> Result<()> {
+    /// Whether peer `q`'s wait on this rank (`pr`) and this rank's calls show mismatched calls,
+    /// in words. Two cases: q waits for the operation under way here toward it, and called
+    /// something else; or q waits for an operation this rank has not reached toward it while
+    /// this rank waits on q for one q has not reached toward it (neither can move again).
+    fn deadlocked(&self, pr: &Probe) -> Option<String> {
+        let (q, me) = (pr.from, self.rank);
+        if q >= self.seq_out.len() || q == me {
+            return None;
+        }
+        if pr.seq_in <= self.seq_out[q] {
+            // q waits for an operation this rank has reached toward it: compare the calls.
+            let (k, op) = self.sent[q][pr.seq_in as usize % HISTORY];
+            if k != pr.seq_in || pr.seq_in == 0 {
+                return None;
+            }
+            let mine = OpDesc { seq: k, ..op };
+            return mine.check(&pr.desc, q, me).err().map(|why| {
+                format!("{why} (rank {q} waited on rank {me} without either moving a byte)")
+            });
+        }
+        let behind_me = self.seq_out[q] < pr.seq_in;
+        let behind_them = pr.seq_out < self.seq_in[q];
+        if !(behind_me && behind_them && self.side.waiting == Some(q)) {
+            return None;
+        }
+        let theirs = OpDesc::decode(&pr.desc, pr.seq_in)
+            .map_or_else(|| "an operation".to_string(), |t| t.to_string());
+        Some(format!(
+            "mismatched operations: rank {q} waits on rank {me} in {theirs} (its operation {} \
+             counting what rank {me} sent to it), while rank {me} waits on rank {q} in {} (its \
+             operation {} counting what rank {q} sent to it): neither can move; every rank \
+             must call the same operations, with the same arguments, in the same order",
+            pr.seq_in, self.op, self.seq_in[q]
+        ))
+    }
+
+    /// [`Watch::poll`] while waiting on `p`, after a nap, the wait having made no progress for
+    /// `stalled`: also fails when `p` closed its communicator at least [`LEAVE_GRACE`] ago (time
+    /// for what it sent before to arrive); past [`PROBE_AFTER`], tells `p` what it waits for.
+    pub fn poll_waiting(&mut self, p: usize, stalled: Duration) -> Result<()> {
+        if !self.probed && stalled >= PROBE_AFTER && p != self.rank && p < self.seq_in.len() {
+            self.probed = true;
+            let seq_in = self.seq_in[p];
+            self.side.probe(&Probe {
+                from: p,
+                seq_in,
+                seq_out: self.seq_out[p],
+                desc: OpDesc::numbered(self.op.encode(), seq_in),
+            });
+        }
         self.poll()?;
         match self.side.leaving_since(p) {
             Some(t) if t.elapsed() >= LEAVE_GRACE && p != self.rank => Err(self.left(p)),

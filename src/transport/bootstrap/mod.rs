@@ -3,8 +3,9 @@
 //! barriers, aborts, stall reports and goodbyes. The rendezvous itself is
 //! [`crate::transport::rendezvous`].
 
+mod relay;
 mod side_channel;
 mod wire;
 
-pub use side_channel::{SideChannel, STALL_VERDICT, STALL_WINDOW};
+pub use side_channel::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
 pub(crate) use wire::*;

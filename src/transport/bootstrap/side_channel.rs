@@ -1,10 +1,13 @@
 //! The side channel: the rendezvous' connections, kept open for the close barrier, aborts,
 //! stall reports (rank 0 judges whom the waits lead to) and goodbyes.
 
+use super::relay::{Event, Relay, Shared};
 use super::wire::*;
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long rank 0 gathers stall reports before it names the rank the waits lead to (the ranks
@@ -13,6 +16,19 @@ pub const STALL_WINDOW: Duration = Duration::from_millis(400);
 
 /// How a stall verdict begins.
 pub const STALL_VERDICT: &str = "stopped making progress";
+
+/// A rank's wait on a peer, told to that peer ([`SideChannel::probe`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Probe {
+    /// The rank that waits (as received; as sent, the rank waited on).
+    pub from: usize,
+    /// Its operation's number in the direction from the rank it waits on.
+    pub seq_in: u64,
+    /// Its number of operations toward that rank, this one included if it sends there.
+    pub seq_out: u64,
+    /// Its operation's descriptor, numbered `seq_in`.
+    pub desc: [u8; crate::transport::op::WIRE],
+}
 
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.
 pub struct SideChannel {
@@ -29,7 +45,10 @@ pub struct SideChannel {
     go: bool,
     /// The first failure learned here: (failed rank, reason).
     failure: Option<(usize, String)>,
-    abort_sent: bool,
+    /// The abort flag and write lock this side channel shares with its relay.
+    shared: Arc<Shared>,
+    /// Rank 0, once non-blocking: the thread that reads and relays ([`Relay`]).
+    relay: Option<Relay>,
     /// Rank 0: whom each rank said it waits on after its wait ran out.
     stalls: Vec<Option<usize>>,
     /// Rank 0: when the first stall report came.
@@ -38,6 +57,8 @@ pub struct SideChannel {
     pub(crate) waiting: Option<usize>,
     /// When each rank was learned to be closing its communicator.
     leaving: Vec<Option<Instant>>,
+    /// Probes addressed to this rank, not yet read.
+    probes: Vec<Probe>,
 }
 
 impl SideChannel {
@@ -134,7 +155,29 @@ impl SideChannel {
             s.set_nonblocking(true)?;
             socket2::SockRef::from(s).set_tcp_keepalive(&ka)?;
         }
+        if self.rank == 0 && self.streams.len() > 1 {
+            self.relay = Some(Relay::start(&self.streams, self.shared.clone())?);
+        }
         Ok(())
+    }
+
+    /// Writes one frame to rank `r`, if connected (never interleaved with the relay's).
+    fn send(&mut self, r: usize, kind: u8, body: &[u8]) {
+        let _g = self
+            .shared
+            .write_lock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = self.streams.get_mut(r).and_then(Option::as_mut) {
+            let _ = send_frame(s, kind, body);
+        }
+    }
+
+    /// Writes one frame to every connected rank but `except`.
+    fn send_all(&mut self, kind: u8, body: &[u8], except: Option<usize>) {
+        for r in (0..self.streams.len()).filter(|&r| Some(r) != except) {
+            self.send(r, kind, body);
+        }
     }
 
     /// The first failure seen (failed rank and reason), if any.
@@ -151,6 +194,21 @@ impl SideChannel {
     /// Reads whatever has arrived, without blocking: aborts, goodbyes, barrier messages and
     /// closed connections. Rank 0 relays every failure to all ranks.
     pub fn poll(&mut self) {
+        if self.relay.is_some() {
+            for e in self.shared.take() {
+                match e {
+                    Event::Frame(r, kind, body) => self.handle(r, kind, body),
+                    Event::Ended(r, why) => {
+                        self.streams[r] = None;
+                        if !why.is_empty() && !self.left[r] {
+                            self.record_failure(r, why);
+                        }
+                    }
+                }
+            }
+            self.judge_stalls();
+            return;
+        }
         let mut buf = [0u8; 4096];
         for r in 0..self.streams.len() {
             while let Some(s) = self.streams[r].as_mut() {
@@ -214,58 +272,86 @@ impl SideChannel {
             let kind = p[4];
             let body = p[5..4 + len].to_vec();
             self.pending[r].drain(..4 + len);
-            match kind {
-                ABORT => {
-                    let mut rd = Reader(&body);
-                    let failed = rd.u32().unwrap_or(r as u32) as usize;
-                    let why = rd.string().unwrap_or_default();
-                    let failed = if failed < self.addrs.len() { failed } else { r };
-                    self.record_failure(failed, why.clone());
-                    if self.rank == 0 {
-                        self.abort(failed, &why);
-                    }
+            self.handle(r, kind, body);
+        }
+    }
+
+    /// A frame from stream `r`. Rank 0 passes on what every rank must learn, unless its relay
+    /// did already.
+    fn handle(&mut self, r: usize, kind: u8, body: Vec<u8>) {
+        let relays = self.rank == 0 && self.relay.is_none();
+        match kind {
+            ABORT => {
+                let mut rd = Reader(&body);
+                let failed = rd.u32().unwrap_or(r as u32) as usize;
+                let why = rd.string().unwrap_or_default();
+                let failed = if failed < self.addrs.len() { failed } else { r };
+                self.record_failure(failed, why.clone());
+                if relays {
+                    self.abort(failed, &why);
                 }
-                BYE => self.left[r] = true,
-                LEAVING => {
-                    let who = Reader(&body).u32().map_or(r, |w| w as usize);
-                    let who = if who < self.leaving.len() { who } else { r };
-                    if self.leaving[who].is_none() {
-                        self.leaving[who] = Some(Instant::now());
-                        if self.rank == 0 {
-                            for (q, s) in self.streams.iter_mut().enumerate() {
-                                if let Some(s) = s.as_mut().filter(|_| q != who) {
-                                    let _ = send_frame(s, LEAVING, &body);
-                                }
-                            }
-                        }
-                    }
-                }
-                STALLED if self.rank == 0 => {
-                    let on = Reader(&body).u32().map_or(usize::MAX, |w| w as usize);
-                    if on < self.stalls.len() {
-                        self.stalls[r] = Some(on);
-                        self.stall_since.get_or_insert_with(Instant::now);
-                    }
-                }
-                READY => self.ready[r] = true,
-                GO => self.go = true,
-                _ => {}
             }
+            BYE => self.left[r] = true,
+            LEAVING => {
+                let who = Reader(&body).u32().map_or(r, |w| w as usize);
+                let who = if who < self.leaving.len() { who } else { r };
+                if self.leaving[who].is_none() {
+                    self.leaving[who] = Some(Instant::now());
+                    if relays {
+                        self.send_all(LEAVING, &body, Some(who));
+                    }
+                }
+            }
+            PROBE => self.take_probe(r, &body),
+            STALLED if self.rank == 0 => {
+                let on = Reader(&body).u32().map_or(usize::MAX, |w| w as usize);
+                if on < self.stalls.len() {
+                    self.stalls[r] = Some(on);
+                    self.stall_since.get_or_insert_with(Instant::now);
+                }
+            }
+            READY => self.ready[r] = true,
+            GO => self.go = true,
+            _ => {}
+        }
+    }
+
+    /// A probe from stream `r`: kept if for this rank, relayed by rank 0 if for another. The
+    /// sender is the stream's own rank unless rank 0 relayed it.
+    fn take_probe(&mut self, r: usize, body: &[u8]) {
+        let mut rd = Reader(body);
+        let (Ok(to), Ok(from), Ok(seq_in), Ok(seq_out), Ok(desc)) =
+            (rd.u32(), rd.u32(), rd.u64(), rd.u64(), rd.take(16))
+        else {
+            return;
+        };
+        let (to, from) = (to as usize, from as usize);
+        if to >= self.streams.len() || from >= self.streams.len() || (r != 0 && from != r) {
+            return;
+        }
+        if to == self.rank {
+            if self.probes.len() < 64 {
+                self.probes.push(Probe {
+                    from,
+                    seq_in,
+                    seq_out,
+                    desc: desc.try_into().expect("16 bytes"),
+                });
+            }
+        } else if self.rank == 0 {
+            self.send(to, PROBE, body);
         }
     }
 
     /// Tells the group that `failed` failed (non-zero ranks tell rank 0, which tells everyone).
     pub fn abort(&mut self, failed: usize, reason: &str) {
-        if self.abort_sent {
+        if self.shared.abort_sent.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.abort_sent = true;
         let mut body = Vec::new();
         body.extend_from_slice(&(failed as u32).to_le_bytes());
         put_bytes(&mut body, reason.as_bytes());
-        for s in self.streams.iter_mut().flatten() {
-            let _ = send_frame(s, ABORT, &body);
-        }
+        self.send_all(ABORT, &body, None);
     }
 
     /// Close barrier, bounded by `limit`: returns when every rank has reached it (so no rank
@@ -273,9 +359,7 @@ impl SideChannel {
     pub fn close_barrier(&mut self, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         if self.rank != 0 {
-            if let Some(s) = self.streams[0].as_mut() {
-                let _ = send_frame(s, READY, &[]);
-            }
+            self.send(0, READY, &[]);
         }
         loop {
             self.poll();
@@ -308,18 +392,14 @@ impl SideChannel {
             std::thread::sleep(Duration::from_millis(1));
         }
         if self.rank == 0 {
-            for s in self.streams.iter_mut().flatten() {
-                let _ = send_frame(s, GO, &[]);
-            }
+            self.send_all(GO, &[], None);
         }
         Ok(())
     }
 
     /// Says goodbye: closing after this is not a failure.
     pub fn bye(&mut self) {
-        for s in self.streams.iter_mut().flatten() {
-            let _ = send_frame(s, BYE, &[]);
-        }
+        self.send_all(BYE, &[], None);
     }
 
     /// The side channel over the rendezvous' connections (`streams[r]`: to rank r, if held).
@@ -340,21 +420,40 @@ impl SideChannel {
             ready: vec![false; n],
             go: false,
             failure: None,
-            abort_sent: false,
+            shared: Arc::default(),
+            relay: None,
             stalls: vec![None; n],
             stall_since: None,
             waiting: None,
             leaving: vec![None; n],
+            probes: Vec::new(),
         }
+    }
+
+    /// Tells rank `p.from` (through rank 0) that this rank waits on it (`p`, with `from` the
+    /// rank waited on).
+    pub fn probe(&mut self, p: &Probe) {
+        let to = p.from;
+        let mut body = Vec::with_capacity(40);
+        body.extend_from_slice(&(to as u32).to_le_bytes());
+        body.extend_from_slice(&(self.rank as u32).to_le_bytes());
+        body.extend_from_slice(&p.seq_in.to_le_bytes());
+        body.extend_from_slice(&p.seq_out.to_le_bytes());
+        body.extend_from_slice(&p.desc);
+        let via = if self.rank == 0 { to } else { 0 };
+        self.send(via, PROBE, &body);
+    }
+
+    /// The probes that reached this rank since the last call.
+    pub fn take_probes(&mut self) -> Vec<Probe> {
+        std::mem::take(&mut self.probes)
     }
 
     /// Tells the group that this rank closes its communicator (rank 0 relays it): a rank that
     /// waits on it then fails naming the departure instead of waiting out the timeout.
     pub fn leave(&mut self) {
         let body = (self.rank as u32).to_le_bytes();
-        for s in self.streams.iter_mut().flatten() {
-            let _ = send_frame(s, LEAVING, &body);
-        }
+        self.send_all(LEAVING, &body, None);
     }
 
     /// Since when rank `r` has been known to be closing its communicator, if it is.
@@ -368,8 +467,8 @@ impl SideChannel {
         if self.rank == 0 {
             self.stalls[0] = Some(waiting_on);
             self.stall_since.get_or_insert_with(Instant::now);
-        } else if let Some(s) = self.streams[0].as_mut() {
-            let _ = send_frame(s, STALLED, &(waiting_on as u32).to_le_bytes());
+        } else {
+            self.send(0, STALLED, &(waiting_on as u32).to_le_bytes());
         }
     }
 
@@ -429,8 +528,13 @@ impl SideChannel {
 
 impl Drop for SideChannel {
     fn drop(&mut self) {
+        // The relay stops before the connections it reads end, so their end is no failure.
+        if let Some(r) = &self.relay {
+            r.stop();
+        }
         for s in self.streams.iter().flatten() {
             let _ = s.shutdown(Shutdown::Both);
         }
+        self.relay = None;
     }
 }

@@ -23,6 +23,11 @@ pub(super) const BYE: u8 = 7;
 pub(super) const STALLED: u8 = 8;
 /// A rank closes its communicator (body: its rank); rank 0 relays it to every rank.
 pub(super) const LEAVING: u8 = 9;
+/// A rank has waited on a peer without progress: its operation's number in the direction from
+/// that peer and its descriptor (body: to, from, number, descriptor), relayed by rank 0. The peer
+/// compares it with its own call: mismatched calls that move no byte (both waiting to receive)
+/// are named at once, not after the timeout.
+pub(super) const PROBE: u8 = 10;
 pub(super) const MAX_FRAME: usize = 64 << 20;
 
 pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {

@@ -367,7 +367,8 @@ impl Link for RdmaTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch.poll_waiting(waiting_on)?;
+                self.watch
+                    .poll_waiting(waiting_on, self.pacer.stalled_for())?;
                 self.nap()?;
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),

@@ -320,7 +320,8 @@ impl Link for TcpTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch.poll_waiting(waiting_on)?;
+                self.watch
+                    .poll_waiting(waiting_on, self.pacer.stalled_for())?;
                 self.wait(Duration::from_millis(1));
             }
             Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
