@@ -3,7 +3,7 @@
 //!
 //! `cargo bench --bench reduce_kernels` (`-- --quick` for fewer sizes).
 
-use rdmacomm::reduce::{reduce_into, simd_level};
+use rdmacomm::unstable::reduce::{reduce_into, simd_level};
 use rdmacomm::{AllReduce, DType};
 use std::hint::black_box;
 use std::time::{Duration, Instant};

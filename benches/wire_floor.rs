@@ -13,7 +13,9 @@
 //! - `ping-pong write`: rank 0 writes, rank 1 answers when it sees it (`ib_write_lat`'s loop):
 //!   one round trip per step, the floor of any scheme in which the ranks take turns.
 
-use rdmacomm::verbs::{self, CompletionQueue, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge};
+use rdmacomm::unstable::verbs::{
+    self, CompletionQueue, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
+};
 #[path = "../tests/common/handshake.rs"]
 mod handshake;
 use handshake::{decode, encode, pair_line, swap};
@@ -129,9 +131,9 @@ impl Side {
     }
 
     fn set_step(&mut self, step: u64) {
-        self.buf
-            .slice_mut(0, 8)
-            .copy_from_slice(&step.to_le_bytes());
+        // SAFETY: bytes 0..8 are only ever sent from (inline, copied when posted), never
+        // written by the peer.
+        unsafe { self.buf.slice_mut(0, 8) }.copy_from_slice(&step.to_le_bytes());
     }
 }
 
@@ -165,7 +167,7 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(20_000);
-    let (ctx, sel) = verbs::open(&rdmacomm::config::device_from_env().expect("device choice"))
+    let (ctx, sel) = verbs::open(&rdmacomm::unstable::device_from_env().expect("device choice"))
         .expect("open device");
     let pd = ctx.alloc_pd().expect("pd");
     let buf = RegisteredBuffer::new(&pd, 4096).expect("register");

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 /// Copies below this many bytes always use libc (its small-copy paths are fine everywhere).
 pub const SIMD_MIN: usize = 4096;
 
-/// Which copy [`copy`] uses for `SIMD_MIN` bytes or more.
+/// Which copy kernel moves 4 KiB or more (`RDMACOMM_COPY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyKernel {
     /// libc's `memcpy` (`copy_from_slice`).
@@ -76,7 +76,7 @@ pub fn chosen() -> Option<CopyKernel> {
     KERNEL.get().copied()
 }
 
-/// The copy kernel in use ([`choose`], with nothing requested if nothing chose before).
+/// The copy kernel in use (the faster one here unless `RDMACOMM_COPY` chose).
 pub fn kernel() -> CopyKernel {
     choose(None)
 }

@@ -12,45 +12,48 @@
 //! # Ok::<(), rdmacomm::Error>(())
 //! ```
 //!
-//! Layers, top down: [`api`] (the [`Communicator`] trait) and [`comm`] (its implementation over
-//! a transport) → [`collectives`] (algorithms over a narrow per-peer [`transport::Link`]) →
-//! [`transport`] (bootstrap over TCP; RDMA, TCP and shared-memory data paths) → [`verbs`] (safe
-//! owners of verbs objects).
-//! Beside them: [`config`] (the environment), [`pin`] (optional core pinning), [`reduce`] (the
-//! reduction kernels).
+//! The public API is this root (the [`Communicator`] trait and its [`Comm`], the typed [`Group`],
+//! [`Config`] and the settings' types in [`config`], the dtypes and reductions, [`Error`], the
+//! non-blocking [`Overlap`] scope) and the framework transports (`nuvec`, `fuel`, behind their
+//! features). [`unstable`] opens a few internals to rdmacomm's own tools, benchmarks and tests,
+//! with no stability promise. The layers beneath, top down: the API and `Comm`, the collective
+//! algorithms over a narrow per-peer link, the transports (RDMA, TCP, shared memory), the
+//! bootstrap (how ranks meet and tell each other of failures), the verbs owners; configuration
+//! below them all (docs/DESIGN.md, "Layers and modules").
 #![warn(missing_docs)]
 
-pub mod api;
-pub mod collectives;
-pub mod comm;
+mod api;
+mod bootstrap;
+mod collectives;
+mod comm;
 pub mod config;
-pub mod copy;
+mod copy;
 mod diag;
-pub mod dtype;
-pub mod error;
+mod dtype;
+mod error;
 #[cfg(feature = "fuel")]
 pub mod fuel;
-pub mod group;
-mod hostfile;
+mod group;
 mod identity;
-pub mod launch;
+mod launch;
 #[cfg(feature = "nuvec")]
 pub mod nuvec;
-pub mod overlap;
-pub mod pin;
-pub mod reduce;
+mod overlap;
+mod pin;
+mod reduce;
 #[cfg(feature = "fuel")]
 mod relayout;
 #[cfg(any(feature = "nuvec", feature = "fuel"))]
 mod serial;
-pub mod transport;
-pub mod verbs;
+mod transport;
+pub mod unstable;
+mod verbs;
 #[cfg(any(feature = "nuvec", feature = "fuel"))]
 mod wide16;
 
 pub use api::{Communicator, P2p};
-pub use comm::{Algo, Comm};
-pub use config::{Config, Progress};
+pub use comm::Comm;
+pub use config::{Algo, Config, Progress};
 pub use diag::Level as DebugLevel;
 pub use dtype::{AllReduce, DType, Element};
 pub use error::{Error, Peer, Result};

@@ -246,10 +246,17 @@ fn length_mismatch_between_ranks_is_named() {
             }
             "sendrecv" => "received 16 bytes from rank 0 where 8 were expected",
             "refused" => "all_reduce buffer has 7 bytes, not a multiple of the f32 element size 4",
-            "receivers" => "where rank 0 called reduce(f32, sum, root 0, 16 B",
+            // Found by either rank (each probes the other): both calls named.
+            "receivers" => "reduce(f32, sum, root 0, 16 B)",
             _ => "called all_reduce(f32, sum, 4000 B, auto) as operation 0 where rank",
         };
         assert!(all.contains(want), "{what}: no clear error:\n{all}");
+        if what == "receivers" {
+            for x in &r {
+                let line = tagged(&x.output, "RESULT").concat();
+                assert!(line.contains("gather(root 1, 16 B)"), "{line}");
+            }
+        }
         if what == "refused" {
             // Both sides' lengths: the cause from rank 0, where rank 1 stood.
             let at = "rank 1 was in all_reduce(f32, sum, 8 B";
@@ -289,8 +296,8 @@ fn length_mismatch_between_ranks_is_named() {
 
 /// A second communicator asking for kernels other than those the process's first one chose.
 fn kernels_body() {
-    use rdmacomm::copy::CopyKernel;
-    use rdmacomm::reduce::SimdLevel;
+    use rdmacomm::config::CopyKernel;
+    use rdmacomm::unstable::reduce::SimdLevel;
     let at = |copy, baseline| {
         let mut cfg = Config::defaults(0, 1, "127.0.0.1:9");
         cfg.copy = copy;
@@ -298,7 +305,7 @@ fn kernels_body() {
         Comm::new(&cfg).map(|_| ())
     };
     at(Some(CopyKernel::Libc), false).expect("the first chooses");
-    let avx2 = rdmacomm::reduce::simd_level() == SimdLevel::Avx2;
+    let avx2 = rdmacomm::unstable::reduce::simd_level() == SimdLevel::Avx2;
     let e = at(Some(CopyKernel::Simd), false);
     if avx2 {
         let e = e.unwrap_err().to_string();

@@ -327,12 +327,12 @@ fn world_of_one_needs_no_device() {
 #[test]
 fn no_device_is_a_clear_error() {
     // On the host (no RDMA in the kernel) a world of 2 fails at once, saying why.
-    if rdmacomm::verbs::list_ports().is_ok() {
+    if rdmacomm::unstable::verbs::list_ports().is_ok() {
         eprintln!("SKIPPED: this host has an RDMA device");
         return;
     }
     let mut cfg = Config::new(0, 2, "127.0.0.1:1").unwrap();
-    cfg.transport = rdmacomm::transport::Kind::Rdma;
+    cfg.transport = rdmacomm::config::Kind::Rdma;
     let e = Comm::new(&cfg)
         .err()
         .expect("must fail without a device")

@@ -428,7 +428,7 @@ fn body_registered() {
     assert_eq!(total, want, "Group::with_registered all_reduce");
     // A bounded number at once over RDMA (TCP registers nothing).
     if c.device().is_some_and(|d| d.starts_with("RDMA")) {
-        let limit = rdmacomm::transport::rdma::MAX_REGISTERED;
+        let limit = rdmacomm::unstable::MAX_REGISTERED;
         let mut small: Vec<Vec<u8>> = (0..=limit).map(|_| vec![0u8; 4096]).collect();
         let mut depth = 0;
         let e = nest(&c, &mut small, &mut depth).unwrap_err().to_string();

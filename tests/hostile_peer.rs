@@ -5,8 +5,8 @@
 
 mod common;
 use common::*;
-use rdmacomm::transport::rendezvous::{rendezvous, Card};
-use rdmacomm::verbs::{
+use rdmacomm::unstable::rendezvous::{rendezvous, Card};
+use rdmacomm::unstable::verbs::{
     self, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
 };
 use rdmacomm::{Comm, Communicator, Config};

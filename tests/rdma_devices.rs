@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use rdmacomm::verbs::{self, DeviceChoice, HcaList};
+use rdmacomm::unstable::verbs::{self, DeviceChoice, HcaList};
 use rdmacomm::{AllReduce, Comm, Communicator, DType};
 use std::time::Duration;
 

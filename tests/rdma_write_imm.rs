@@ -5,7 +5,9 @@
 mod common;
 use common::handshake::{decode, encode, pair_line, swap};
 use common::*;
-use rdmacomm::verbs::{self, CompletionQueue, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge};
+use rdmacomm::unstable::verbs::{
+    self, CompletionQueue, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
+};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
@@ -18,7 +20,7 @@ fn pattern(rank: usize, i: usize) -> u8 {
 fn rank_body() {
     let (rank, _) = rank_size();
     let coord = std::env::var("RDMACOMM_COORDINATOR").unwrap();
-    let (ctx, sel) = verbs::open(&rdmacomm::config::device_from_env().unwrap()).unwrap();
+    let (ctx, sel) = verbs::open(&rdmacomm::unstable::device_from_env().unwrap()).unwrap();
     eprintln!(
         "rank {rank}: {} port {} GID[{}] {}",
         sel.device, sel.port, sel.gid_index, sel.gid
@@ -26,7 +28,8 @@ fn rank_body() {
     let pd = ctx.alloc_pd().unwrap();
     // [0, LEN): what we send; [LEN, 2 LEN): where the peer writes.
     let mut buf = RegisteredBuffer::new(&pd, 2 * LEN).unwrap();
-    for (i, b) in buf.slice_mut(0, LEN).iter_mut().enumerate() {
+    // SAFETY: no queue pair exists yet, so nothing else can touch the buffer.
+    for (i, b) in unsafe { buf.slice_mut(0, LEN) }.iter_mut().enumerate() {
         *b = pattern(rank, i);
     }
     let mut cq = CompletionQueue::new(&ctx, 16).unwrap();
@@ -103,7 +106,9 @@ fn rank_body() {
         got_len as usize, LEN,
         "byte_len of the write with immediate"
     );
-    let recv = buf.slice(LEN, LEN);
+    // SAFETY: the peer's one write completed (its completion was polled above) and it writes
+    // nothing more.
+    let recv = unsafe { buf.slice(LEN, LEN) };
     let bad = (0..LEN).filter(|&i| recv[i] != pattern(peer, i)).count();
     assert_eq!(
         bad, 0,

@@ -5,7 +5,7 @@
 mod common;
 use common::Rng;
 use half::{bf16, f16};
-use rdmacomm::reduce::{reduce_into, reference as r};
+use rdmacomm::unstable::reduce::{reduce_into, reference as r};
 use rdmacomm::{AllReduce, DType};
 
 const SPECIAL_F64: [f64; 8] = [
@@ -149,7 +149,10 @@ fn run_all(seed: u64) {
 
 #[test]
 fn every_dtype_and_op_matches_scalar_reference() {
-    eprintln!("kernel copy in use: {:?}", rdmacomm::reduce::simd_level());
+    eprintln!(
+        "kernel copy in use: {:?}",
+        rdmacomm::unstable::reduce::simd_level()
+    );
     run_all(0x1234_5678_9abc_def1);
 }
 
@@ -159,8 +162,8 @@ fn baseline_copy_matches_too() {
     // choice is made once per process, and the other tests here made it).
     if std::env::var("REDUCE_TEST_BASELINE").is_ok_and(|v| v == "1") {
         assert_eq!(
-            rdmacomm::reduce::choose_simd(true),
-            rdmacomm::reduce::SimdLevel::Baseline
+            rdmacomm::unstable::reduce::choose_simd(true),
+            rdmacomm::unstable::reduce::SimdLevel::Baseline
         );
         return run_all(0x0fed_cba9_8765_4321);
     }

@@ -408,7 +408,7 @@ fn a_fake_coordinator_learns_no_card() {
 
 #[test]
 fn a_joiner_that_stops_reading_is_named_within_the_deadline() {
-    use rdmacomm::transport::rendezvous::{rendezvous, Card};
+    use rdmacomm::unstable::rendezvous::{rendezvous, Card};
     // Rank 0 in a thread; rank 1 through a relay that passes rank 0's challenge and then stops
     // reading; ranks 2..n with cards as large as a hello may be, so that rank 1's table (every
     // rank's card) is megabytes, far past what the sockets buffer.
@@ -431,7 +431,7 @@ fn a_joiner_that_stops_reading_is_named_within_the_deadline() {
     let t0 = Instant::now();
     let rank0 = std::thread::spawn({
         let (c, big) = (cfg(0, &coord), big.clone());
-        move || rdmacomm::transport::rendezvous::rendezvous_on(&c, &big, Some(l)).map(|_| ())
+        move || rdmacomm::unstable::rendezvous::rendezvous_on(&c, &big, Some(l)).map(|_| ())
     });
     let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let relay_at = relay.local_addr().unwrap().to_string();
@@ -619,9 +619,9 @@ fn a_restarted_rank_takes_its_place() {
             let mut c = Config::new(1, 3, coord).unwrap();
             c.timeout = Duration::from_secs(3);
             let t0 = Instant::now();
-            let r = rdmacomm::transport::rendezvous::rendezvous(
+            let r = rdmacomm::unstable::rendezvous::rendezvous(
                 &c,
-                &rdmacomm::transport::rendezvous::Card::default(),
+                &rdmacomm::unstable::rendezvous::Card::default(),
             );
             (r.is_err(), t0.elapsed())
         }

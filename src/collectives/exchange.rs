@@ -64,7 +64,9 @@ impl Plan for Lists<'_, '_, '_> {
 
 /// Sends every `(peer, data)` of `sends` and receives into every `(peer, buffer)` of `recvs`
 /// (exactly the buffer's length), all at once; messages to or from one peer go in list order.
-/// Peers must be other ranks of `link`.
+/// Peers must be other ranks of `link`. (The algorithm tests call it; `Comm` keeps counters
+/// across calls through [`exchange_with`].)
+#[cfg(test)]
 pub fn exchange(
     link: &mut dyn Link,
     sends: &[(usize, &[u8])],

@@ -3,6 +3,7 @@
 pub mod bcast;
 pub mod direct;
 pub mod exchange;
+pub(crate) mod gate;
 pub mod halving;
 pub mod hier;
 pub mod p2p;
@@ -47,23 +48,7 @@ impl std::ops::DerefMut for Scratch {
     }
 }
 
-/// The all_reduce algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algo {
-    /// Pipelined ring: reduce-scatter then all-gather (bandwidth-optimal, 2(n-1) steps).
-    Ring,
-    /// Recursive halving-doubling (Rabenseifner): bandwidth-optimal in 2 log2(n) steps.
-    Halving,
-    /// Recursive doubling of the whole vector: log2(n) steps, for small messages.
-    Doubling,
-    /// Chosen by size, world size and link (see [`Algo::choose`]).
-    Auto,
-    /// One step: every rank sends its whole vector to every other ([`direct`]).
-    Direct,
-    /// Within each host over shared memory, then across hosts ([`hier`]): where the link's
-    /// hosts form a regular layout ([`hier::Layout`]); elsewhere as [`Algo::Auto`] flat.
-    Hierarchical,
-}
+pub use crate::config::Algo;
 
 /// all_reduce buffers up to this many bytes use recursive doubling under [`Algo::Auto`], unless
 /// [`tuning::doubling_max`] says otherwise for the link's medium.
@@ -75,36 +60,13 @@ pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
 pub const DIRECT_MAX_BYTES: usize = 4 << 10;
 
 impl Algo {
-    /// This setting as a number (its position in [`crate::transport::op::ALL_REDUCE_ALGOS`]).
-    pub fn code(self) -> u8 {
-        self as u8
-    }
-
-    /// Parses `ring`, `halving`, `doubling`, `direct` or `auto`.
-    pub fn parse(s: &str) -> Result<Algo> {
-        Ok(match s {
-            "ring" => Algo::Ring,
-            "halving" | "rabenseifner" => Algo::Halving,
-            "doubling" => Algo::Doubling,
-            "direct" => Algo::Direct,
-            "hierarchical" => Algo::Hierarchical,
-            "auto" => Algo::Auto,
-            _ => {
-                return Err(Error::Config(format!(
-                    "RDMACOMM_ALGO={s:?}: use ring, halving, doubling, direct, hierarchical or \
-                     auto"
-                )))
-            }
-        })
-    }
-
     /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
     /// recursive doubling wins up to `doubling_max` bytes ([`tuning::doubling_max`]) and whose peers share memory or not
     /// (`shared`): one step up to [`DIRECT_MAX_BYTES`] where they share it, doubling up to
     /// `doubling_max`, then hierarchical where the link's hosts form a regular layout
     /// (`layered`, [`hier::Layout`]), else halving-doubling, and the ring for non-powers of two
     /// (whose fold doubles the traffic of two ranks).
-    pub fn choose(
+    pub(crate) fn choose(
         self,
         n: usize,
         bytes: usize,

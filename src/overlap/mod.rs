@@ -7,7 +7,6 @@
 //! dropped nor a forgotten handle can leave the transport writing into freed memory (the
 //! design of `std::thread::scope`).
 
-pub(crate) mod gate;
 mod job;
 pub(crate) mod queue;
 
@@ -15,7 +14,7 @@ use crate::api::{
     check_all_gather, check_all_reduce, check_all_to_all, check_peer, check_reduce_scatter_v,
     check_root, Communicator,
 };
-use crate::comm::{this_thread, Comm};
+use crate::comm::{this_thread, Comm, ScopeHook};
 use crate::config::Progress;
 use crate::dtype::Element;
 use crate::dtype::{AllReduce, DType};
@@ -38,21 +37,18 @@ pub(crate) fn in_job() -> bool {
     IN_JOB.with(|j| j.get())
 }
 
-/// A blocking call on `comm` from its owning thread (the caller's check): first the non-blocking operations started
-/// before it run to their end (operations run in call order), here where nobody runs them.
-#[inline]
-pub(crate) fn wait_started(comm: &Comm) {
+/// [`ScopeHook::drain`] for a scope's queue: a blocking call from the owning thread first runs
+/// the non-blocking operations started before it (operations run in call order), here where
+/// nobody runs them; not from inside one of them.
+///
+/// # Safety
+/// `data` points at the open scope's `Queue`, which outlives the call.
+unsafe fn drain_queue(data: *const ()) {
     if in_job() {
         return;
     }
-    let q = comm.scope.load(Ordering::Acquire);
-    if q.is_null() {
-        return;
-    }
-    // SAFETY: an open scope points `comm.scope` at its queue and clears it before the queue
-    // drops; the caller is the owner, the thread the scope runs on, so the scope cannot end
-    // meanwhile. The lifetime is erased for this call only.
-    unsafe { &*q.cast::<Queue<'static>>() }.drain();
+    // SAFETY: by the contract above; the lifetime is erased for this call only.
+    unsafe { &*data.cast::<Queue<'static>>() }.drain();
 }
 
 /// What a handle asks of its scope's queue (without naming the scope's buffers' lifetime).
@@ -199,8 +195,13 @@ impl Comm {
                 self.0.scope.store(std::ptr::null_mut(), Ordering::Release);
             }
         }
+        let hook = ScopeHook {
+            data: std::ptr::from_ref(q).cast(),
+            drain: drain_queue,
+        };
+        // Registered after the hook is made and cleared (by `Open`) before it drops.
         self.scope
-            .store(std::ptr::from_ref(q).cast_mut().cast(), Ordering::Release);
+            .store(std::ptr::from_ref(&hook).cast_mut(), Ordering::Release);
         let open = Open(self);
         let held = progress == Progress::Caller;
         self.gate.hold(held);

@@ -7,12 +7,12 @@
 //! before the network transport reads its own card; without it the card is the network
 //! transport's alone. Either way a rank whose `RDMACOMM_SHM` differs is named at the rendezvous.
 
+use crate::bootstrap::rendezvous::{Card, Rendezvous};
+use crate::bootstrap::{Reader, TAG_HYBRID, TAG_SHM};
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{Reader, TAG_HYBRID, TAG_SHM};
 use crate::transport::op::{OpDesc, Scope};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
-use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::rings::{slots_for, Pending, Rings};
 use crate::transport::shm::{blame, NAP, SPIN, YIELD};
 use crate::transport::{rdma, tcp, Link, Transport};

@@ -2,21 +2,18 @@
 //! interface (post a chunk, take a chunk, make progress), as NCCL's net plugins
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
-pub mod bootstrap;
 mod descriptors;
-pub mod discover;
 pub mod hybrid;
 pub mod mailbox;
 pub mod op;
 pub mod pacer;
-pub mod pmix;
 pub mod rdma;
-pub mod rendezvous;
 pub mod rings;
 pub mod shm;
 pub mod tcp;
 pub mod watch;
 
+use crate::bootstrap::{discover, rendezvous};
 use crate::error::{Peer, Result};
 
 /// A chunk-granular, per-peer, ordered, flow-controlled link to every other rank.
@@ -115,7 +112,7 @@ pub trait Link {
 }
 
 /// What carries a link's chunks: a fact transports report, from which the collectives choose
-/// their algorithms and thresholds ([`crate::collectives::tuning`]).
+/// their algorithms and thresholds (`collectives/tuning.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Medium {
     /// RDMA writes (InfiniBand, RoCE, soft-RoCE).
@@ -124,6 +121,7 @@ pub enum Medium {
     Tcp,
     /// Shared memory between the ranks of one host.
     SharedMemory,
+    #[cfg(test)]
     /// Memory within one process (tests).
     Memory,
 }
@@ -231,35 +229,7 @@ impl Transport for tcp::TcpTransport {
     }
 }
 
-/// Which transport a communicator uses (`RDMACOMM_TRANSPORT`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// Shared memory when the launcher says every rank is on this host; otherwise RDMA where a
-    /// usable device and ACTIVE port exist, TCP where not (logged once), with shared
-    /// memory to the peers on this host. `RDMACOMM_SHM=0` turns shared memory off.
-    Auto,
-    /// RDMA (no device is an error); shared memory to same-host peers only with `RDMACOMM_SHM=1`.
-    Rdma,
-    /// TCP; shared memory to same-host peers only with `RDMACOMM_SHM=1`.
-    Tcp,
-    /// Shared memory only: every rank must be on this host.
-    Shm,
-}
-
-impl Kind {
-    /// Parses `RDMACOMM_TRANSPORT`'s value (`auto`, `rdma`, `tcp`, `shm`; empty: `auto`).
-    pub fn parse(v: &str) -> crate::Result<Kind> {
-        match v.trim() {
-            "" | "auto" => Ok(Kind::Auto),
-            "rdma" => Ok(Kind::Rdma),
-            "tcp" => Ok(Kind::Tcp),
-            "shm" => Ok(Kind::Shm),
-            v => Err(crate::Error::Config(format!(
-                "RDMACOMM_TRANSPORT={v:?}: use auto, rdma, tcp or shm"
-            ))),
-        }
-    }
-}
+pub use crate::config::Kind;
 
 /// Whether `kind` resolves to RDMA here (for `Auto`: a usable device with an ACTIVE port;
 /// otherwise logs once why TCP is used).

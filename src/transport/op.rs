@@ -8,6 +8,7 @@ use crate::dtype::{AllReduce, DType};
 
 /// Bytes of an encoded [`OpDesc`].
 pub const WIRE: usize = 16;
+const _: () = assert!(WIRE == crate::bootstrap::DESC_BYTES);
 
 /// The kind of a communicator operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,17 +139,7 @@ impl Scope<'_> {
     }
 }
 
-/// Names of `algo` values for all_reduce, in [`crate::Algo`] order.
-pub const ALL_REDUCE_ALGOS: [&str; 6] = [
-    "ring",
-    "halving",
-    "doubling",
-    "auto",
-    "direct",
-    "hierarchical",
-];
-/// Names of `algo` values for broadcast.
-pub const BROADCAST_ALGOS: [&str; 3] = ["chain", "tree", "auto"];
+pub use crate::config::{ALL_REDUCE_ALGOS, BROADCAST_ALGOS};
 
 impl OpDesc {
     /// A descriptor with no dtype, reduction, algorithm or root.

@@ -13,8 +13,8 @@
 //! maps every same-host peer's segment, and after a second one each closes its descriptor.
 //! Nothing is ever named in `/dev/shm`, so nothing can be left there, however the processes end.
 
+use crate::bootstrap::{Reader, SideChannel};
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{Reader, SideChannel};
 use crate::transport::op::{self, OpDesc, OpKind, Scope};
 use std::fs::File;
 use std::os::fd::FromRawFd;

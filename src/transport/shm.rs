@@ -2,12 +2,12 @@
 //! a ring in shared memory ([`super::rings`]). Failures travel on the side channel as with the
 //! other transports (a dead process closes its connection).
 
+use crate::bootstrap::rendezvous::{Card, Rendezvous};
+use crate::bootstrap::{check_tags, TAG_SHM};
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, TAG_SHM};
 use crate::transport::op::{OpDesc, Scope};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
-use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::rings::{Fault, Pending, Rings, CHUNK, SLOTS};
 use crate::transport::watch::Watch;
 use crate::transport::Link;

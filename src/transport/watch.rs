@@ -1,8 +1,8 @@
 //! What both transports do about failures: keep the first one, tell the group over the side
 //! channel, learn of others' from it, and decide whom to blame.
 
+use crate::bootstrap::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
 use crate::transport::op::{OpDesc, OpKind, Scope};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -145,21 +145,36 @@ impl RegisteredBuffer {
         unsafe { self.ptr.as_ptr().add(off) }
     }
 
-    /// Bytes `off..off+len` as a slice.
+    /// Panics unless `off..off+len` lies in the buffer (without overflow).
+    fn check_range(&self, off: usize, len: usize) {
+        let end = off.checked_add(len);
+        assert!(
+            end.is_some_and(|e| e <= self.len()),
+            "bytes {off}..+{len} out of the {}-byte registered buffer",
+            self.len()
+        );
+    }
+
+    /// Bytes `off..off+len` as a slice (panics past the buffer).
     ///
-    /// The region must not be written concurrently (by the HCA or otherwise) while the slice
-    /// lives; the transport's credit protocol guarantees that for slots it hands out.
-    pub fn slice(&self, off: usize, len: usize) -> &[u8] {
-        assert!(off + len <= self.len(), "slice out of registered buffer");
-        // SAFETY: in bounds (asserted); no concurrent writer by the protocol (see above).
+    /// # Safety
+    /// Peers may write the buffer's windows at any time: no device or peer may write these
+    /// bytes while the slice lives (for a transport's slots, its credit protocol ensures it;
+    /// for a test, a completed write and no other writer).
+    pub unsafe fn slice(&self, off: usize, len: usize) -> &[u8] {
+        self.check_range(off, len);
+        // SAFETY: in bounds (checked); no concurrent writer by the caller's contract.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
 
-    /// Bytes `off..off+len` as a mutable slice (same rule as [`RegisteredBuffer::slice`] for the
-    /// device; `&mut self` keeps every other view of the buffer out while it lives).
-    pub fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
-        assert!(off + len <= self.len(), "slice out of registered buffer");
-        // SAFETY: in bounds (asserted); &mut self: no other reference into the buffer exists.
+    /// Bytes `off..off+len` as a mutable slice (panics past the buffer).
+    ///
+    /// # Safety
+    /// As for [`RegisteredBuffer::slice`]: no device or peer may write or read these bytes
+    /// while the slice lives (`&mut self` keeps every other local view out).
+    pub unsafe fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
+        self.check_range(off, len);
+        // SAFETY: in bounds (checked); &mut self and the caller's contract: no other access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
     }
 }

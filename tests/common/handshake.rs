@@ -3,7 +3,7 @@
 //! address and key of the buffer the peer may write.
 #![allow(dead_code)]
 
-use rdmacomm::verbs::Endpoint;
+use rdmacomm::unstable::verbs::Endpoint;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};

@@ -58,7 +58,7 @@ pub fn rank_size() -> (usize, usize) {
 /// Whether an RDMA device is usable here. Returns false after printing why when RDMA tests
 /// should be skipped; panics when `RDMACOMM_REQUIRE_RDMA=1` (the VM stage of CI) and none is.
 pub fn rdma_available() -> bool {
-    match rdmacomm::verbs::list_ports() {
+    match rdmacomm::unstable::verbs::list_ports() {
         Ok(ports) if ports.iter().any(|p| p.active) => true,
         other => {
             let why = match other {

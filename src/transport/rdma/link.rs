@@ -133,7 +133,13 @@ impl Link for RdmaTransport {
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
-        debug_assert!(data.len() <= self.layout.slot);
+        if data.len() > self.layout.slot {
+            return Err(Error::InvalidArgument(format!(
+                "a chunk of {} bytes posted to rank {p}, past the {}-byte slot (max_chunk)",
+                data.len(),
+                self.layout.slot
+            )));
+        }
         let slots = self.layout.slots as u64;
         let word = self.credits_from(p);
         let st = self.state(p);
@@ -182,7 +188,10 @@ impl Link for RdmaTransport {
             len: head as u32,
         };
         if head > 0 {
-            self.buf.slice_mut(off - head, head).copy_from_slice(&desc);
+            // SAFETY: send slots are registered for local access only (no peer writes them),
+            // and may_post above found this slot's previous write completed (the device is done
+            // reading it).
+            unsafe { self.buf.slice_mut(off - head, head) }.copy_from_slice(&desc);
         }
         let mut len = head + data.len();
         let (sges, zero_copy) = match region {
@@ -204,7 +213,8 @@ impl Link for RdmaTransport {
                     let mut payload = [0u8; mailbox::MAX_PAYLOAD];
                     payload[..head].copy_from_slice(&desc[..head]);
                     payload[head..len].copy_from_slice(data);
-                    let out = self.buf.slice_mut(off, ENTRY);
+                    // SAFETY: this rank's send slot, free (as for the descriptor above).
+                    let out = unsafe { self.buf.slice_mut(off, ENTRY) };
                     len = mailbox::encode(k, consumed, &payload[..len], out);
                     let at = Sge {
                         lkey: staging_key,
@@ -213,7 +223,8 @@ impl Link for RdmaTransport {
                     };
                     ([at, none], false)
                 } else {
-                    crate::copy::copy(self.buf.slice_mut(off, data.len()), data);
+                    // SAFETY: this rank's send slot, free (as for the descriptor above).
+                    crate::copy::copy(unsafe { self.buf.slice_mut(off, data.len()) }, data);
                     let whole = Sge {
                         len: len as u32,
                         ..staged_head
@@ -289,7 +300,9 @@ impl Link for RdmaTransport {
             return Err(self.fail(p, e));
         }
         if head > 0 {
-            let got = self.buf.slice(off, head);
+            // SAFETY: a receive slot whose chunk arrived (its completion was seen) and whose
+            // credit has not been returned: the writer may not write it again until we do.
+            let got = unsafe { self.buf.slice(off, head) };
             if got != OpDesc::numbered(self.op_wire, seq) {
                 let mine = OpDesc { seq, ..self.op };
                 if let Err(why) = mine.check(got, p, self.rank) {
@@ -297,7 +310,8 @@ impl Link for RdmaTransport {
                 }
             }
         }
-        f(self.buf.slice(off + head, len - head))?;
+        // SAFETY: as for the descriptor: an arrived chunk, its slot not yet given back.
+        f(unsafe { self.buf.slice(off + head, len - head) })?;
         let st = self.state(p);
         st.head_in = false;
         st.lens[slot] = EMPTY;
@@ -317,10 +331,11 @@ impl Link for RdmaTransport {
         st.returned = consumed;
         // Our consumed count into the writer's credit word for us (inline).
         let credit_remote = self.layout.credit_off(self.rank);
-        let tmp_off = self.layout.credit_off(p) + 8; // a scratch word beside p's credit word
-        self.buf
-            .slice_mut(tmp_off, 8)
-            .copy_from_slice(&consumed.to_le_bytes());
+        // A scratch word in this rank's own block, which no peer has a key for.
+        let tmp_off = self.layout.credit_off(self.rank) + 8;
+        // SAFETY: the own block is registered for local access only, and every credit write
+        // from it went inline (the device copied the word when it was posted).
+        unsafe { self.buf.slice_mut(tmp_off, 8) }.copy_from_slice(&consumed.to_le_bytes());
         self.post(p, KIND_CREDIT, tmp_off, 8, credit_remote, None)?;
         self.made_progress();
         Ok(true)

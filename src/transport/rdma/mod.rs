@@ -40,13 +40,13 @@ mod protocol;
 mod setup;
 mod zero_copy;
 
+use crate::bootstrap::rendezvous::{Card, Rendezvous};
+use crate::bootstrap::{check_tags, Reader, TAG_RDMA};
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, Reader, TAG_RDMA};
 use crate::transport::mailbox::{self, ENTRY};
 use crate::transport::op::{self, OpDesc, OpKind, Scope};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
-use crate::transport::rendezvous::{Card, Rendezvous};
 use crate::transport::watch::Watch;
 use crate::transport::{copy_chunk, Link};
 use crate::verbs::queue::MAX_INLINE;
@@ -79,7 +79,7 @@ const KIND_PROBE: u64 = 3;
 /// Most unsignaled writes in a row (each signaled completion costs the device a completion
 /// entry and the poller a read).
 pub const QUIET_MAX: u32 = 8;
-/// Most buffers registered at once with one communicator ([`Link::register`]).
+/// Most buffers registered at once with one communicator (`Communicator::with_registered`).
 pub const MAX_REGISTERED: usize = 64;
 /// `lens` of a slot that holds no arrived chunk.
 const EMPTY: u32 = u32::MAX;

@@ -22,8 +22,11 @@ impl RdmaTransport {
     }
 
     pub(super) fn lend_source(&mut self, buf: &[u8]) {
-        debug_assert!(self.lent.is_none() && self.zc.is_empty());
-        if self.zc_min == 0
+        // One lending at a time: a second one (or one while zero-copy sends are unsettled)
+        // only means copying.
+        if self.lent.is_some()
+            || !self.zc.is_empty()
+            || self.zc_min == 0
             || buf.len() < self.zc_min
             || self.registered.iter().any(|(_, r)| r.contains(buf))
         {

@@ -14,12 +14,12 @@ mod frame;
 mod link;
 mod mesh;
 
+use crate::bootstrap::rendezvous::{mac, mac_ok, Card, Rendezvous, KEY};
+use crate::bootstrap::{check_tags, Reader, TAG_TCP};
 use crate::config::{Config, Poll};
 use crate::error::{Error, Peer, Result};
-use crate::transport::bootstrap::{check_tags, Reader, TAG_TCP};
 use crate::transport::op::{self, OpDesc, OpKind, Scope};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
-use crate::transport::rendezvous::{mac, mac_ok, Card, Rendezvous, KEY};
 use crate::transport::watch::Watch;
 use crate::transport::Link;
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};

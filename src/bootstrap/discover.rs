@@ -2,9 +2,9 @@
 //! listener first, then publishes the address through the launcher's PMIx store, or listens at
 //! Slurm's first node and derived port; the other ranks fetch or derive it.
 
+use crate::bootstrap::pmix::Pmix;
 use crate::config::{Config, Discovery};
 use crate::error::{Error, Result};
-use crate::transport::pmix::Pmix;
 use std::net::{IpAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::sync::atomic::{AtomicUsize, Ordering};
 

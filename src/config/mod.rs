@@ -13,10 +13,21 @@
 //! of its bootstrap connection). `RDMACOMM_TRANSPORT` (`auto`, `rdma`, `tcp`, `shm`) picks the transport.
 //! World size 1 needs none of these.
 
-use crate::collectives::Algo;
 use crate::error::{Error, Result};
-use crate::verbs::DeviceChoice;
 use std::time::Duration;
+
+mod hostfile;
+mod launcher;
+mod settings;
+
+#[doc(hidden)]
+pub use launcher::device_from_env as launcher_device_from_env;
+pub(crate) use launcher::*;
+pub use settings::*;
+
+pub use crate::copy::CopyKernel;
+pub use crate::pin::Pin;
+pub use crate::verbs::{DeviceChoice, HcaList};
 
 /// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
 pub const VARIABLES: [&str; 31] = [
@@ -62,52 +73,6 @@ pub const TOOL_VARIABLES: [&str; 5] = [
     "RDMACOMM_BUILD",
 ];
 
-/// The job's shared secret (`RDMACOMM_SECRET`, or the contents of `RDMACOMM_SECRET_FILE`): with
-/// it, nobody without it joins the rendezvous or learns its table. Never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Vec<u8>);
-
-impl Secret {
-    /// A secret of these bytes.
-    pub fn new(bytes: impl Into<Vec<u8>>) -> Secret {
-        Secret(bytes.into())
-    }
-
-    /// Its bytes.
-    pub fn bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(..)")
-    }
-}
-
-/// The job's identity from the launcher: `RDMACOMM_JOB_ID`, torchrun's `TORCHELASTIC_RUN_ID`,
-/// Slurm's job and step ids, PMIx's namespace (Open MPI); empty when none is set. Ranks of
-/// another job that reach this job's rendezvous are ignored.
-pub fn job_id_from_env() -> String {
-    job_id_from(&env)
-}
-
-fn job_id_from(get: Lookup) -> String {
-    if let Some(v) = get("RDMACOMM_JOB_ID") {
-        return v;
-    }
-    if let Some(v) = get("TORCHELASTIC_RUN_ID") {
-        return format!("torchelastic:{v}");
-    }
-    if let Some(j) = get("SLURM_JOB_ID") {
-        return format!("slurm:{j}.{}", get("SLURM_STEP_ID").unwrap_or_default());
-    }
-    if let Some(ns) = get("PMIX_NAMESPACE") {
-        return format!("pmix:{ns}");
-    }
-    String::new()
-}
-
 /// Reads the shared secret, if one is set (a file's trailing newline is not part of it).
 fn secret_from_env() -> Result<Option<Secret>> {
     if let Some(v) = env("RDMACOMM_SECRET") {
@@ -128,116 +93,6 @@ fn secret_from_env() -> Result<Option<Secret>> {
         )));
     }
     Ok(Some(Secret(text[..end].to_vec())))
-}
-
-/// How broadcast sends (`RDMACOMM_BCAST`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bcast {
-    /// A pipelined chain from the root.
-    Chain,
-    /// A binomial tree of whole messages.
-    Tree,
-    /// The tree up to 8 KiB on more than two ranks, the chain otherwise.
-    Auto,
-}
-
-impl Bcast {
-    /// Parses `chain`, `tree` or `auto`.
-    pub fn parse(v: &str) -> Result<Bcast> {
-        match v {
-            "chain" => Ok(Bcast::Chain),
-            "tree" => Ok(Bcast::Tree),
-            "auto" => Ok(Bcast::Auto),
-            _ => Err(Error::Config(format!(
-                "RDMACOMM_BCAST={v:?}: use chain, tree or auto"
-            ))),
-        }
-    }
-
-    /// This setting as a number (its position in [`crate::transport::op::BROADCAST_ALGOS`]).
-    pub fn code(self) -> u8 {
-        self as u8
-    }
-}
-
-/// How a waiting rank polls (`RDMACOMM_POLL`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Poll {
-    /// Spin briefly, then yield, then sleep; never spin where local ranks outnumber cores.
-    Auto,
-    /// Never stop spinning (lowest latency; burns a core per waiting rank).
-    Spin,
-    /// Never spin: yield, then sleep.
-    Yield,
-}
-
-impl Poll {
-    /// Parses `auto`, `spin` or `yield`.
-    pub fn parse(v: &str) -> Result<Poll> {
-        match v {
-            "auto" => Ok(Poll::Auto),
-            "spin" => Ok(Poll::Spin),
-            "yield" => Ok(Poll::Yield),
-            _ => Err(Error::Config(format!(
-                "RDMACOMM_POLL={v:?}: use auto, spin or yield"
-            ))),
-        }
-    }
-}
-
-/// Who moves the operations of a `Comm::overlap` scope (`RDMACOMM_PROGRESS`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
-    /// A progress thread, sleeping on the completion channel and the sockets between events,
-    /// moves them while the caller computes.
-    Thread,
-    /// They move only inside the caller's calls on them (MPI without asynchronous progress):
-    /// `test()` runs them until they would wait on a peer, `wait()` and blocking calls to the end.
-    Caller,
-}
-
-impl Progress {
-    /// Parses `thread` or `caller`.
-    pub fn parse(v: &str) -> Result<Progress> {
-        match v {
-            "thread" => Ok(Progress::Thread),
-            "caller" => Ok(Progress::Caller),
-            _ => Err(Error::Config(format!(
-                "RDMACOMM_PROGRESS={v:?}: use thread or caller"
-            ))),
-        }
-    }
-}
-
-/// The default timeout for every wait on a peer.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The default TCP chunk: a chunk and its 64-byte header fill one 64 KiB loopback segment (lo's
-/// MTU is 65536: 65483 bytes of payload per segment), where 64 KiB chunks took two (the second
-/// small, with its own wakeup; measured: docs/DESIGN.md).
-pub const DEFAULT_TCP_CHUNK: usize = (64 << 10) - 128;
-
-/// The largest world (the RDMA transport's work-request ids name a peer in 14 bits).
-pub const MAX_WORLD: usize = 1 << 14;
-
-/// Slots per peer and direction unless `RDMACOMM_SLOTS` says otherwise.
-pub const DEFAULT_SLOTS: usize = 4;
-
-/// Registered memory per rank the default slot size aims at: every peer's receive and send slots.
-pub const SLOT_BUDGET: usize = 32 << 20;
-
-/// The default slot size: the largest power of two from 64 KiB to 1 MiB (2 MiB for two ranks)
-/// whose slots (receive and send, `slots` each, for every rank) fit [`SLOT_BUDGET`]: 2 MiB for 2
-/// ranks, 1 MiB up to 4, 512 KiB at 8, 64 KiB from 64 (measured: docs/DESIGN.md).
-pub fn default_slot_bytes(world_size: usize, slots: usize) -> usize {
-    let fit = SLOT_BUDGET / (2 * world_size.max(1) * slots.max(1));
-    let pow2 = if fit == 0 {
-        0
-    } else {
-        1usize << (usize::BITS - 1 - fit.leading_zeros())
-    };
-    let cap = if world_size == 2 { 2 << 20 } else { 1 << 20 };
-    pow2.clamp(64 << 10, cap)
 }
 
 /// Everything a rank needs to join a communicator.
@@ -268,7 +123,7 @@ pub struct Config {
     /// in the cache.
     pub tcp_chunk: usize,
     /// RDMA, TCP, shared memory, or the best of them here (`RDMACOMM_TRANSPORT`).
-    pub transport: crate::transport::Kind,
+    pub transport: Kind,
     /// `RDMACOMM_SHM`: `Some(false)` (0) never uses shared memory; `Some(true)` (1) uses it for
     /// same-host peers whatever the transport; unset (`None`), only `auto` does.
     pub shm: Option<bool>,
@@ -277,7 +132,7 @@ pub struct Config {
     /// `SLURM_JOB_NUM_NODES` is 1), if it says.
     pub local_world: Option<usize>,
     /// Which host this rank is on, for shared memory (`RDMACOMM_HOST_ID`, else the kernel's boot
-    /// id and the host name: see [`host_id`]).
+    /// id, the host name, the PID namespace and the user).
     pub host_id: String,
     /// Whether and where to pin the thread that creates the communicator (`RDMACOMM_PIN`).
     pub pin: crate::pin::Pin,
@@ -301,7 +156,7 @@ pub struct Config {
     pub ib_timeout: Option<u8>,
     /// The queue pairs' retry count (`RDMACOMM_IB_RETRY`, 0..=6; default 6).
     pub ib_retry: Option<u8>,
-    /// The job's identity ([`job_id_from_env`]); alike on every rank.
+    /// The job's identity (`RDMACOMM_JOB_ID`, else the launcher's job id); alike on every rank.
     pub job_id: String,
     /// The job's shared secret, if any (alike on every rank).
     pub secret: Option<Secret>,
@@ -313,66 +168,18 @@ pub struct Config {
     pub debug_file: Option<String>,
 }
 
-/// How the ranks find rank 0's rendezvous address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Discovery {
-    /// `coordinator` says it (or the world is one rank).
-    Given,
-    /// Rank 0 publishes its address in the launcher's PMIx store (`PMIX_NAMESPACE` is set).
-    Pmix,
-    /// Slurm without PMIx: `coordinator` is the step's first node at a port derived from the job
-    /// and step ids, and rank 0 listens there on every interface.
-    Slurm,
-}
-
-fn env(name: &str) -> Option<String> {
+pub(crate) fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
-fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+pub(crate) fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.trim()
         .parse::<T>()
         .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
 }
 
-/// This host's identity, as far as shared memory goes: the kernel's boot id, the host name, the
-/// PID namespace and the user (an IP says nothing of which ranks share memory; a peer's memory
-/// file opens only in its PID namespace and for its user, so containers that share a host name
-/// and boot id but not a PID namespace are different hosts here).
-pub fn host_id() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let pid_ns = std::fs::read_link("/proc/self/ns/pid")
-        .map(|l| l.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    // SAFETY: getuid cannot fail and touches no memory.
-    let uid = unsafe { libc::getuid() };
-    format!(
-        "{}/{}/{pid_ns}/uid {uid}",
-        read("/proc/sys/kernel/random/boot_id").trim(),
-        read("/proc/sys/kernel/hostname").trim()
-    )
-}
-
-/// The launcher's count of ranks on this host, if it gives one (see [`Config::local_world`]).
-fn local_world_from_env(world_size: usize) -> Result<Option<usize>> {
-    local_world_from(&env, world_size)
-}
-
-fn local_world_from(get: Lookup, world_size: usize) -> Result<Option<usize>> {
-    for name in [
-        "LOCAL_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "MPI_LOCALNRANKS",
-    ] {
-        if let Some(v) = get(name) {
-            return parse_num(name, &v).map(Some);
-        }
-    }
-    Ok((get("SLURM_JOB_NUM_NODES").as_deref() == Some("1")).then_some(world_size))
-}
-
 /// A timeout in seconds: from a millisecond to 10^9 s (beyond, deadlines would overflow).
-fn timeout_of(name: &str, v: &str) -> Result<Duration> {
+pub(crate) fn timeout_of(name: &str, v: &str) -> Result<Duration> {
     let secs: f64 = parse_num(name, v)?;
     if !(1e-3..=1e9).contains(&secs) {
         return Err(Error::Config(format!(
@@ -383,71 +190,15 @@ fn timeout_of(name: &str, v: &str) -> Result<Duration> {
 }
 
 /// A variable's value as a lookup gives it (the environment, or a table in tests).
-type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+pub(crate) type Lookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
-fn pair(get: Lookup, r: &str, s: &str) -> Result<Option<(usize, usize)>> {
+pub(crate) fn pair(get: Lookup, r: &str, s: &str) -> Result<Option<(usize, usize)>> {
     match (get(r), get(s)) {
         (Some(a), Some(b)) => Ok(Some((parse_num(r, &a)?, parse_num(s, &b)?))),
         (Some(_), None) => Err(Error::Config(format!("{r} is set but {s} is not"))),
         (None, Some(_)) => Err(Error::Config(format!("{s} is set but {r} is not"))),
         (None, None) => Ok(None),
     }
-}
-
-/// Reads `RDMACOMM_IB_DEVICE`, `RDMACOMM_IB_PORT` and `RDMACOMM_GID_INDEX`.
-pub fn device_from_env() -> Result<DeviceChoice> {
-    let num =
-        |name: &str| -> Result<Option<u32>> {
-            match env(name) {
-                Some(v) => v.trim().parse::<u32>().map(Some).map_err(|_| {
-                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
-                }),
-                None => Ok(None),
-            }
-        };
-    let port = match num("RDMACOMM_IB_PORT")? {
-        Some(p) if (1..=255).contains(&p) => Some(p as u8),
-        Some(p) => {
-            return Err(Error::Config(format!(
-                "RDMACOMM_IB_PORT={p}: ports are numbered from 1"
-            )))
-        }
-        None => None,
-    };
-    let device = env("RDMACOMM_IB_DEVICE");
-    let hca =
-        match env("RDMACOMM_IB_HCA") {
-            Some(_) if device.is_some() => return Err(Error::Config(
-                "RDMACOMM_IB_DEVICE and RDMACOMM_IB_HCA are both set: name one device or a list"
-                    .into(),
-            )),
-            Some(v) => Some(crate::verbs::HcaList::parse(&v)?),
-            None => None,
-        };
-    Ok(DeviceChoice {
-        device,
-        port,
-        gid_index: num("RDMACOMM_GID_INDEX")?,
-        hca,
-        local_rank: local_rank_from(&env)?,
-    })
-}
-
-/// This rank's index among the ranks its launcher started on this host (torchrun's
-/// `LOCAL_RANK`, Open MPI's `OMPI_COMM_WORLD_LOCAL_RANK`, MPICH's `MPI_LOCALRANKID`, Slurm's
-/// `SLURM_LOCALID`); 0 when none says.
-fn local_rank_from(get: Lookup) -> Result<usize> {
-    for name in [
-        "LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "MPI_LOCALRANKID",
-        "SLURM_LOCALID",
-    ] {
-        if let Some(v) = get(name) {
-            return parse_num(name, &v);
-        }
-    }
-    Ok(0)
 }
 
 impl Config {
@@ -518,9 +269,7 @@ impl Config {
             slot_bytes,
             slots,
             tcp_chunk,
-            transport: crate::transport::Kind::parse(
-                env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""),
-            )?,
+            transport: Kind::parse(env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""))?,
             shm: match env("RDMACOMM_SHM").as_deref().map(str::trim) {
                 None => None,
                 Some("1") => Some(true),
@@ -583,7 +332,7 @@ impl Config {
             slot_bytes: default_slot_bytes(world_size, DEFAULT_SLOTS),
             slots: DEFAULT_SLOTS,
             tcp_chunk: DEFAULT_TCP_CHUNK,
-            transport: crate::transport::Kind::Auto,
+            transport: Kind::Auto,
             shm: None,
             local_world: None,
             host_id: host_id(),
@@ -624,7 +373,7 @@ impl Config {
     pub fn shm_for_peers(&self) -> bool {
         match self.shm {
             Some(yes) => yes,
-            None => self.transport == crate::transport::Kind::Auto,
+            None => self.transport == Kind::Auto,
         }
     }
 
@@ -634,8 +383,8 @@ impl Config {
         format!(
             "RDMACOMM_ALGO={} RDMACOMM_BCAST={} RDMACOMM_SLOTS={} RDMACOMM_SLOT_BYTES={} \
              RDMACOMM_TCP_CHUNK={}",
-            crate::transport::op::ALL_REDUCE_ALGOS[self.algo.code() as usize],
-            crate::transport::op::BROADCAST_ALGOS[self.bcast.code() as usize],
+            ALL_REDUCE_ALGOS[self.algo.code() as usize],
+            BROADCAST_ALGOS[self.bcast.code() as usize],
             self.slots,
             self.slot_bytes,
             self.tcp_chunk
@@ -650,169 +399,6 @@ impl Config {
     /// Whether a launcher's variables name this process's rank (else it runs alone).
     pub fn launched() -> bool {
         RANK_VARIABLES.iter().any(|v| env(v).is_some())
-    }
-}
-
-/// The variables that name a rank, one per launcher [`identity_from`] knows.
-const RANK_VARIABLES: [&str; 6] = [
-    "RDMACOMM_RANK",
-    "MLX_RANK",
-    "RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "SLURM_PROCID",
-];
-
-/// This rank's identity from the launcher's variables as `get` reads them: rdmacomm's own,
-/// torchrun's, Open MPI's, PMI's, then Slurm's; the coordinator from `RDMACOMM_COORDINATOR`,
-/// else `MASTER_ADDR` and `MASTER_PORT` (29500).
-fn identity_from(get: Lookup) -> Result<(usize, usize, String)> {
-    let mut mlx_coordinator = None;
-    let (rank, size) = if let Some(p) = pair(get, "RDMACOMM_RANK", "RDMACOMM_WORLD_SIZE")? {
-        p
-    } else if let Some(r) = get("MLX_RANK") {
-        let path = get("MLX_HOSTFILE")
-            .ok_or_else(|| Error::Config("MLX_RANK is set but MLX_HOSTFILE is not".to_string()))?;
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::Config(format!("MLX_HOSTFILE={path}: {e}")))?;
-        let (rank, size, c) = crate::hostfile::identity(&r, &text)?;
-        mlx_coordinator = Some(c);
-        (rank, size)
-    } else if let Some(p) = pair(get, "RANK", "WORLD_SIZE")? {
-        p
-    } else if let Some(p) = pair(get, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")? {
-        p
-    } else if let Some(p) = pair(get, "PMI_RANK", "PMI_SIZE")? {
-        p
-    } else {
-        pair(get, "SLURM_PROCID", "SLURM_NTASKS")?.unwrap_or((0, 1))
-    };
-    let coordinator = match get("RDMACOMM_COORDINATOR") {
-        Some(c) => c,
-        None => match get("MASTER_ADDR") {
-            Some(a) => {
-                let port = get("MASTER_PORT").unwrap_or_else(|| "29500".into());
-                // An IPv6 literal meets its port in brackets.
-                if a.contains(':') && !a.starts_with('[') {
-                    format!("[{a}]:{port}")
-                } else {
-                    format!("{a}:{port}")
-                }
-            }
-            None if mlx_coordinator.is_some() => mlx_coordinator.unwrap_or_default(),
-            None if size == 1 => String::new(),
-            // Rank 0 publishes it in the launcher's store.
-            None if get("PMIX_NAMESPACE").is_some() => String::new(),
-            None => match slurm_coordinator(get)? {
-                Some(c) => {
-                    slurm_rank0_here(get, rank, &c)?;
-                    c
-                }
-                None => {
-                    return Err(Error::Config(format!(
-                        "rank {rank} of {size}: no coordinator address, and no PMIx or Slurm \
-                         launcher to learn it from; set RDMACOMM_COORDINATOR=host:port or \
-                         MASTER_ADDR (and MASTER_PORT)"
-                    )))
-                }
-            },
-        },
-    };
-    Ok((rank, size, coordinator))
-}
-
-/// Under Slurm without PMIx: the step's first node (where rank 0 runs under Slurm's block
-/// distribution) and `MASTER_PORT`, else a port in 20000..30000 derived from the job and step
-/// ids (alike on every rank, apart for concurrent steps); `None` outside Slurm.
-fn slurm_coordinator(get: Lookup) -> Result<Option<String>> {
-    let Some(job) = get("SLURM_JOB_ID") else {
-        return Ok(None);
-    };
-    let Some(list) = get("SLURM_STEP_NODELIST")
-        .or_else(|| get("SLURM_JOB_NODELIST"))
-        .or_else(|| get("SLURM_NODELIST"))
-    else {
-        return Ok(None);
-    };
-    let host = first_host(&list)
-        .ok_or_else(|| Error::Config(format!("SLURM_STEP_NODELIST={list:?}: no host in it")))?;
-    // Block, cyclic and plane distributions put rank 0 on the first node; an arbitrary one
-    // (SLURM_HOSTFILE) may not: every rank says so instead of waiting on an empty address.
-    if let Some(d) = get("SLURM_DISTRIBUTION").filter(|d| d.starts_with("arbitrary")) {
-        return Err(Error::Config(format!(
-            "SLURM_DISTRIBUTION={d}: rank 0 need not run on the step's first node ({host}), \
-             where the ranks would look for it; set MASTER_ADDR to rank 0's host (and \
-             MASTER_PORT), or launch with srun --mpi=pmix"
-        )));
-    }
-    let port = match get("MASTER_PORT") {
-        Some(p) => p,
-        None => {
-            let step = get("SLURM_STEP_ID").unwrap_or_default();
-            let n = |v: &str| {
-                v.bytes()
-                    .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)))
-            };
-            let key = n(&job).wrapping_mul(1_000_003).wrapping_add(n(&step));
-            (20000 + key % 10000).to_string()
-        }
-    };
-    Ok(Some(format!("{host}:{port}")))
-}
-
-/// Rank 0 under Slurm's first-node address `coordinator`: fails, naming both, where Slurm says
-/// this node (`SLURMD_NODENAME`) is another (the peers would wait on a node nobody listens on).
-fn slurm_rank0_here(get: Lookup, rank: usize, coordinator: &str) -> Result<()> {
-    let (Some(here), Some((first, _))) = (get("SLURMD_NODENAME"), coordinator.rsplit_once(':'))
-    else {
-        return Ok(());
-    };
-    let short = |h: &str| h.split('.').next().unwrap_or(h).to_string();
-    if rank == 0 && short(&here) != short(first) {
-        return Err(Error::Config(format!(
-            "rank 0 runs on {here}, but the ranks look for it on the step's first node \
-             ({first}); set MASTER_ADDR to {here} (and MASTER_PORT), or launch with srun \
-             --mpi=pmix"
-        )));
-    }
-    Ok(())
-}
-
-/// The first host of a Slurm host list (`node[01-04,07],gpu3` gives `node01`; a bracket in each
-/// dimension, as in `rack[1-2]-n[3-4]`, gives its first value).
-pub fn first_host(list: &str) -> Option<String> {
-    let mut out = String::new();
-    let mut chars = list.trim().chars();
-    while let Some(c) = chars.next() {
-        match c {
-            ',' => break,
-            '[' => {
-                let inner: String = chars.by_ref().take_while(|&c| c != ']').collect();
-                let first = inner.split([',', '-']).next()?.trim();
-                if first.is_empty() {
-                    return None;
-                }
-                out.push_str(first);
-            }
-            c => out.push(c),
-        }
-    }
-    (!out.is_empty()).then_some(out)
-}
-
-/// How rank 0 is found when `coordinator` is what the identity gave.
-fn discovery_from(get: Lookup, coordinator: &str, size: usize) -> Discovery {
-    if size <= 1 {
-        Discovery::Given
-    } else if coordinator.is_empty() && get("PMIX_NAMESPACE").is_some() {
-        Discovery::Pmix
-    } else if get("RDMACOMM_COORDINATOR").is_none()
-        && get("MASTER_ADDR").is_none()
-        && slurm_coordinator(get).ok().flatten().as_deref() == Some(coordinator)
-    {
-        Discovery::Slurm
-    } else {
-        Discovery::Given
     }
 }
 

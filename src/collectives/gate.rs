@@ -1,4 +1,4 @@
-//! When the operations of an [`super::Overlap`] scope may move. Under a progress thread:
+//! When the operations of an [`crate::Overlap`] scope may move. Under a progress thread:
 //! always. Under `RDMACOMM_PROGRESS=caller`: only while the caller is inside a call on them, as
 //! in MPI without asynchronous progress. A `test()` lets them run until they would wait on a
 //! peer; a `wait()`, a blocking call, the scope's end and `abort()` let them run freely.

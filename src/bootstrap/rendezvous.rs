@@ -17,13 +17,13 @@
 //! HMAC over the joiner's nonce when there is a secret, so a joiner cannot be fooled by a fake
 //! coordinator either.
 
-use crate::config::Config;
-use crate::error::{Error, Result};
-use crate::transport::bootstrap::{
+use crate::bootstrap::discover::meeting_point;
+use crate::bootstrap::{
     recv_frame, send_frame, send_frame_by, Reader, SideChannel, ABORT, HELLO, MAGIC, REJECT, TABLE,
     VERSION,
 };
-use crate::transport::discover::meeting_point;
+use crate::config::Config;
+use crate::error::{Error, Result};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::io::{ErrorKind, Read};

@@ -27,7 +27,7 @@ pub struct Probe {
     /// Its number of operations toward that rank, this one included if it sends there.
     pub seq_out: u64,
     /// Its operation's descriptor, numbered `seq_in`.
-    pub desc: [u8; crate::transport::op::WIRE],
+    pub desc: [u8; super::DESC_BYTES],
 }
 
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.

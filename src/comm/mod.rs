@@ -1,0 +1,504 @@
+//! [`Comm`]: the byte-level [`Communicator`] over a transport (RDMA, or TCP where there is none).
+
+mod ops;
+mod split;
+mod summary;
+
+use crate::api::{
+    check_all_gather, check_all_gather_v, check_all_reduce, check_all_to_all, check_all_to_allv,
+    check_batch, check_gather, check_peer, check_reduce_scatter_v, check_root, check_scatter,
+    check_sum_scatter, offsets_onto, Communicator, P2p,
+};
+use crate::bootstrap::rendezvous::Card;
+use crate::collectives::{
+    bcast, direct, exchange, halving, hier, p2p, ring, rooted, tuning, Scratch,
+};
+use crate::config::{Bcast, Config};
+use crate::dtype::{AllReduce, DType};
+use crate::error::{Error, Peer, Result};
+use crate::transport::op::{OpDesc, OpKind, Scope};
+use crate::transport::watch::AbortRequest;
+use crate::transport::{self, Link, Transport};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use summary::summarise;
+
+struct Inner {
+    /// None for a world of one.
+    link: Option<Box<dyn Transport>>,
+    scratch: crate::collectives::Scratch,
+}
+
+use crate::collectives::Algo;
+
+/// An open [`Comm::overlap`] scope as blocking calls see it: `drain(data)` runs the operations
+/// started before the call (the scope registers it in [`Comm`] while it is open).
+pub(crate) struct ScopeHook {
+    pub(crate) data: *const (),
+    pub(crate) drain: unsafe fn(*const ()),
+}
+
+/// Why a communicator refuses work.
+enum Poison {
+    /// An operation failed (the error, in words).
+    Failed(String),
+    /// A rank's application aborted.
+    Aborted { by: Peer, reason: String },
+}
+
+/// A number for the calling thread, unique for the life of the process.
+#[inline]
+pub(crate) fn this_thread() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // Zero until first asked (a const initialiser: no lazy-init check on each call).
+    thread_local!(static ID: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+    ID.with(|id| match id.get() {
+        0 => {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            id.set(n);
+            n
+        }
+        n => n,
+    })
+}
+
+/// A communicator: over RDMA (one reliable-connected queue pair per peer) or, where no RDMA
+/// device exists, over TCP (`RDMACOMM_TRANSPORT`).
+///
+/// Threads: its operations run in the order one thread calls them, the same on every rank, so
+/// they belong to one thread: the one that created it (or, after a move, the one that called
+/// [`Comm::adopt`]). A call from any other thread fails with [`Error::WrongThread`] before it
+/// touches the wire. Give each thread its own with [`Comm::dup`]. [`Communicator::health`],
+/// `rank`, `size` and [`Comm::device`] may be called from any thread.
+pub struct Comm {
+    rank: usize,
+    size: usize,
+    inner: Mutex<Inner>,
+    /// Set by the first failure; every later call returns it (readable while an op runs).
+    poisoned: Mutex<Option<Poison>>,
+    /// Whether `poisoned` holds a reason (read without the lock on every call).
+    is_poisoned: AtomicBool,
+    /// Through which [`Comm::abort`] stops an operation that runs (None for a world of one).
+    abort_request: Option<Arc<AbortRequest>>,
+    /// This rank, as errors name it.
+    me: Peer,
+    /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
+    pub(crate) executor: AtomicU64,
+    /// The open [`Comm::overlap`] scope (null: none), for blocking calls to run the operations
+    /// started before them first.
+    pub(crate) scope: AtomicPtr<ScopeHook>,
+    /// When they may move (always, or only inside the caller's calls).
+    pub(crate) gate: Arc<crate::collectives::gate::Gate>,
+    algo: Mutex<Algo>,
+    /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
+    /// out once: the hierarchical all_reduce needs it on every call).
+    layout: Option<hier::Layout>,
+    /// What the link moves bytes over (fixed for its life; `None` alone).
+    medium: Option<crate::transport::Medium>,
+    /// The transport in words (kept: reading it from the link would wait for an operation, or,
+    /// under caller progress, for the caller's next call on one).
+    described: Option<String>,
+    cfg: Config,
+    /// The thread whose operations this communicator runs ([`this_thread`]).
+    owner: AtomicU64,
+}
+
+impl Comm {
+    /// Joins the group described by `cfg` (every rank must call this). A world of one needs no
+    /// device. The calling thread owns the communicator.
+    pub fn new(cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        crate::diag::install(cfg.debug, cfg.debug_file.as_deref())?;
+        // The process's kernels, chosen (and the copy kernel timed, where it is) here, not
+        // inside the first operation; a later communicator asking for others is refused.
+        let kernels = kernels_as_asked(cfg);
+        let mut link = if cfg.world_size > 1 {
+            Some(transport::connect(cfg, cfg.transport)?)
+        } else {
+            None
+        };
+        let (local, nlocal) = link.as_ref().map_or((0, 1), |l| l.local_rank());
+        if let Err(e) = kernels.and_then(|()| cfg.pin.apply(local, nlocal)) {
+            // Known only now (it needs the number of local ranks): the group learns it too.
+            if let Some(l) = link.as_mut() {
+                l.abort(format!("its configuration is invalid: {e}"));
+            }
+            return Err(e);
+        }
+        Ok(Comm::with_link_of(cfg.clone(), link, cfg.algo))
+    }
+
+    fn with_link_of(cfg: Config, mut link: Option<Box<dyn Transport>>, algo: Algo) -> Comm {
+        let layout = link
+            .as_ref()
+            .and_then(|l| l.hosts().and_then(|h| hier::Layout::of(h, l.rank())));
+        let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
+        let medium = link.as_ref().map(|l| l.medium());
+        let described = link.as_ref().map(|l| l.describe());
+        if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
+            summarise(&cfg, l.local_rank(), d, algo);
+        }
+        let me = link.as_ref().map_or(
+            Peer {
+                rank: cfg.rank,
+                addr: String::new(),
+            },
+            |l| l.peer(cfg.rank),
+        );
+        Comm {
+            layout,
+            medium,
+            described,
+            abort_request,
+            me,
+            executor: AtomicU64::new(0),
+            scope: AtomicPtr::new(std::ptr::null_mut()),
+            gate: Default::default(),
+            rank: cfg.rank,
+            size: cfg.world_size,
+            inner: Mutex::new(Inner {
+                link,
+                scratch: Default::default(),
+            }),
+            poisoned: Mutex::new(None),
+            is_poisoned: AtomicBool::new(false),
+            algo: Mutex::new(algo),
+            cfg,
+            owner: AtomicU64::new(this_thread()),
+        }
+    }
+
+    /// Joins the group described by the environment (see [`Config::from_env`]). A rank whose
+    /// settings are invalid still tells the group (through the rendezvous), so every rank fails
+    /// at once with an error naming that rank and variable.
+    pub fn from_env() -> Result<Self> {
+        let (rank, size, coordinator) = Config::identity_from_env()?;
+        match Config::new(rank, size, coordinator.clone()) {
+            Ok(cfg) => Comm::new(&cfg),
+            Err(e) => {
+                if size > 1 && rank < size {
+                    crate::bootstrap::rendezvous::refuse(
+                        &Config::defaults(rank, size, coordinator),
+                        &e.to_string(),
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes the calling thread this communicator's owner, after it was moved here (`&mut`:
+    /// no other thread can be using it meanwhile).
+    pub fn adopt(&mut self) {
+        *self.owner.get_mut() = this_thread();
+    }
+
+    /// A new communicator over the same ranks, independent of this one (its own connections,
+    /// sequence and failures), owned by the calling thread: one per thread that runs
+    /// operations. Collective: every rank must call it, in the same position.
+    pub fn dup(&self) -> Result<Comm> {
+        self.split_comm(0, self.rank as i32)
+    }
+
+    /// Makes the calling thread the owner without `&mut`: for an adapter that serialises its
+    /// callers under a lock of its own (a framework's transport called from any thread).
+    #[cfg(any(feature = "nuvec", feature = "fuel"))]
+    pub(crate) fn claim(&self) {
+        self.owner.store(this_thread(), Ordering::Relaxed);
+    }
+
+    /// Closes the link now, as dropping the communicator would (the group is told this rank
+    /// leaves; a bounded close barrier), for a communicator a framework never drops; every
+    /// later call fails. Skipped while an operation holds the link.
+    #[cfg(any(feature = "nuvec", feature = "fuel"))]
+    pub(crate) fn close(&self, why: &str) {
+        self.poison_with(format!("rank {} {why}", self.rank));
+        let link = match self.inner.try_lock() {
+            Ok(mut g) => g.link.take(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().link.take(),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        drop(link);
+    }
+
+    /// Refuses every later call with `why` (a failure every rank found alike, as a
+    /// mismatch of calls an adapter compared before any data moved).
+    #[cfg(feature = "fuel")]
+    pub(crate) fn refuse_further(&self, why: &str) {
+        self.poison_with(why.to_string());
+    }
+
+    /// Fails unless the calling thread owns this communicator (or runs its non-blocking
+    /// operations).
+    #[inline]
+    pub(crate) fn check_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
+        let me = this_thread();
+        if self.owner.load(Ordering::Relaxed) == me || self.executor.load(Ordering::Relaxed) == me {
+            return Ok(());
+        }
+        self.wrong_thread(what)
+    }
+
+    #[cold]
+    fn wrong_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
+        let t = std::thread::current();
+        Err(Error::WrongThread(format!(
+            "rank {}: {what} was called from thread {:?}, but this communicator runs the \
+             operations of the thread that created it (every rank must run them in one order): \
+             give each thread its own (Comm::dup), or move it and call Comm::adopt",
+            self.rank,
+            t.name().unwrap_or("unnamed")
+        )))
+    }
+
+    /// Who moves the operations of [`Comm::overlap`] (`RDMACOMM_PROGRESS`).
+    pub fn progress(&self) -> crate::config::Progress {
+        self.cfg.progress
+    }
+
+    /// The core the progress thread of [`Comm::overlap`] runs on (`RDMACOMM_PROGRESS_CPU`).
+    pub(crate) fn progress_cpu(&self) -> Option<usize> {
+        self.cfg.progress_cpu
+    }
+
+    /// Chooses the all_reduce algorithm (every rank must choose the same).
+    pub fn set_algorithm(&self, algo: Algo) {
+        *self.algo.lock().unwrap_or_else(|e| e.into_inner()) = algo;
+    }
+
+    /// The all_reduce algorithm setting.
+    pub fn algorithm(&self) -> Algo {
+        *self.algo.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The transport in use, in words: `RDMA <device> port <n> GID[<i>] <gid> MTU <bytes>` or
+    /// `TCP`, with shared memory where it reaches some peers (None for a world of one).
+    pub fn device(&self) -> Option<String> {
+        self.described.clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs operation `desc` with the peers of `scope` as `f` on the link, from the
+    /// owning thread, unless the communicator failed before. A failure poisons it; so does a
+    /// panic, which the peers are told of before it goes on unwinding.
+    fn with_link<T>(
+        &self,
+        desc: OpDesc,
+        scope: Scope,
+        f: impl FnOnce(&mut dyn Link, &mut crate::collectives::Scratch) -> Result<T>,
+    ) -> Result<T> {
+        self.check_thread(&desc)?;
+        self.wait_started_ones();
+        let mut g = self.lock();
+        self.check_usable()?;
+        let inner = &mut *g;
+        let Some(link) = inner.link.as_deref_mut() else {
+            // A world of one never gets here; a closed communicator is poisoned before.
+            return Err(Error::Poisoned(format!("rank {} has no link", self.rank)));
+        };
+        link.start(&desc, scope);
+        link.watch_mut().started(&desc, scope);
+        let scratch = &mut inner.scratch;
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            f(&mut *link, scratch).and_then(|v| crate::collectives::pause::finish(link).map(|_| v))
+        }));
+        link.release();
+        match r {
+            Ok(mut r) => {
+                if let Err(Error::Aborted { by, reason }) = &mut r {
+                    if by.rank != self.rank {
+                        // Both sides' calls: the peer's cause, and where this rank stood.
+                        *reason = format!("{reason} (rank {} was in {desc})", self.rank);
+                    }
+                }
+                if let Err(e) = &r {
+                    if matches!(e, Error::InvalidArgument(_)) {
+                        // Found here, inside the operation (a peer's lengths differ from this
+                        // rank's): the peers learn the cause now instead of waiting on us.
+                        link.abort(format!("rank {} failed inside {desc}: {e}", self.rank));
+                    }
+                    self.poison(e);
+                }
+                r
+            }
+            Err(panic) => {
+                let why = format!(
+                    "rank {} panicked inside {desc}: {}",
+                    self.rank,
+                    panic_text(&*panic)
+                );
+                link.abort(why.clone());
+                self.poison_with(why);
+                drop(g);
+                resume_unwind(panic)
+            }
+        }
+    }
+
+    /// On the owning thread, inside an [`Comm::overlap`] scope: waits until the non-blocking
+    /// operations started before have finished (operations run in call order). Each is bounded
+    /// by the timeout.
+    #[inline]
+    fn wait_started_ones(&self) {
+        // Only the scope's own thread (the owner) may run its operations.
+        if self.owner.load(Ordering::Relaxed) != this_thread() {
+            return;
+        }
+        let h = self.scope.load(Ordering::Acquire);
+        if !h.is_null() {
+            // SAFETY: an open scope registers its hook, which points at its queue, and clears
+            // it before either drops; the owner is the thread the scope runs on, so the scope
+            // cannot end during this call.
+            unsafe { ((*h).drain)((*h).data) }
+        }
+    }
+
+    fn poison(&self, e: &Error) {
+        let p = match e {
+            Error::Aborted { by, reason } => Poison::Aborted {
+                by: by.clone(),
+                reason: reason.clone(),
+            },
+            e => Poison::Failed(e.to_string()),
+        };
+        self.poison_as(p);
+    }
+
+    fn poison_with(&self, why: String) {
+        self.poison_as(Poison::Failed(why));
+    }
+
+    fn poison_as(&self, why: Poison) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_none() {
+            *p = Some(why);
+            self.is_poisoned.store(true, Ordering::Release);
+        }
+    }
+
+    #[inline]
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        if !self.is_poisoned.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.poisoned_error()
+    }
+
+    #[cold]
+    fn poisoned_error(&self) -> Result<()> {
+        match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(Poison::Failed(why)) => Err(Error::Poisoned(why.clone())),
+            Some(Poison::Aborted { by, reason }) => Err(Error::Aborted {
+                by: by.clone(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Aborts this communicator from any thread: an operation running or waiting here returns
+    /// [`Error::Aborted`] within moments, as does every later one; every peer is told, and
+    /// their pending and later operations end alike, naming this rank and `reason`. Returns
+    /// once the peers have been told (or the timeout passed while an operation would not
+    /// stop).
+    pub fn abort(&self, reason: &str) {
+        self.end_and_tell(
+            Poison::Aborted {
+                by: self.me.clone(),
+                reason: reason.to_string(),
+            },
+            reason,
+        );
+    }
+
+    /// A call refused on this rank (`e`, found before it reached the wire) while its peers may be
+    /// in that call already: they are told the cause, as by an abort, and the communicator
+    /// refuses further work, as after any failure. A call from a thread that does not own it, on
+    /// a failed communicator or in a world of one ends nothing.
+    #[cold]
+    pub(crate) fn refused(&self, e: Error) -> Error {
+        if !matches!(e, Error::InvalidArgument(_))
+            || self.size == 1
+            || self.check_thread(&"").is_err()
+            || self.check_usable().is_err()
+        {
+            return e;
+        }
+        let why = format!("rank {} refused its call: {e}", self.rank);
+        self.end_and_tell(Poison::Failed(why.clone()), &why);
+        e
+    }
+
+    /// Poisons this communicator with `poison` and tells the peers `reason` (see
+    /// [`Comm::abort`]).
+    fn end_and_tell(&self, poison: Poison, reason: &str) {
+        self.poison_as(poison);
+        // An operation held between its caller's calls goes on, to see the abort.
+        self.gate.hold(false);
+        let Some(req) = &self.abort_request else {
+            return;
+        };
+        req.request(reason);
+        // An operation that runs sees the request at its next poll; otherwise tell the peers here.
+        let until = Instant::now() + self.cfg.timeout + Duration::from_secs(1);
+        loop {
+            let g = match self.inner.try_lock() {
+                Ok(g) => Some(g),
+                Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut g) = g {
+                if let Some(l) = g.link.as_mut() {
+                    let _ = l.watch_mut().poll();
+                }
+                return;
+            }
+            if Instant::now() > until {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// For a world of one: the checks an operation makes before it would touch the wire.
+    fn alone(&self, what: &str) -> Result<()> {
+        self.check_thread(&what)?;
+        self.wait_started_ones();
+        self.check_usable()
+    }
+}
+
+/// Chooses the process's kernels as `cfg` asks; an error where an earlier communicator chose
+/// others (they are chosen once per process).
+fn kernels_as_asked(cfg: &Config) -> Result<()> {
+    use crate::copy::CopyKernel;
+    use crate::reduce::SimdLevel;
+    let (copy_before, simd_before) = (crate::copy::chosen(), crate::reduce::chosen());
+    let simd = crate::reduce::choose_simd(cfg.simd_baseline);
+    let copy = crate::copy::choose(cfg.copy);
+    if cfg.simd_baseline && simd != SimdLevel::Baseline && simd_before.is_some() {
+        return Err(Error::Config(format!(
+            "RDMACOMM_SIMD=baseline: this process's reduction kernels were chosen ({simd:?}) by its first communicator; they are chosen once per process"
+        )));
+    }
+    let possible = |k: CopyKernel| k != CopyKernel::Simd || simd == SimdLevel::Avx2;
+    match cfg.copy {
+        Some(k) if k != copy && possible(k) && copy_before.is_some() => Err(Error::Config(format!(
+            "RDMACOMM_COPY={k:?}: this process's copy kernel was chosen ({copy:?}) by its first communicator; it is chosen once per process"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A panic's message, if it has one.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

@@ -1,0 +1,195 @@
+//! `split` and `dup`: a subgroup's members, its transports chosen from where they are, its
+//! cards exchanged over the parent, and a set-up failure told to the parent's other ranks.
+
+use super::*;
+
+impl Comm {
+    /// All-gathers `input` as step `step` of a split.
+    fn split_step(&self, step: u8, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_all_gather(self.size, input, output)?;
+        let n = input.len();
+        let desc = OpDesc {
+            algo: step,
+            ..OpDesc::new(OpKind::Split, n)
+        };
+        self.with_link(desc, Scope::All, |l, _| {
+            crate::copy::copy(&mut output[l.rank() * n..(l.rank() + 1) * n], input);
+            ring::all_gather(l, output)
+        })
+    }
+
+    /// Splits into subgroups (MPI_Comm_split / MLX's split), collectively over every rank of
+    /// this communicator: ranks with the same `color` form one, ordered by `key` (ties by rank
+    /// here). A negative color means "in no subgroup": that rank gets a world of one. Queue pair
+    /// endpoints are exchanged over this communicator; each subgroup gets its own side channel
+    /// (for abort and health) at its first rank, whose address also goes over this
+    /// communicator. The result is independent of this one: either can be used or dropped first.
+    pub fn split_comm(&self, color: i32, key: i32) -> Result<Comm> {
+        if self.size == 1 {
+            // A world of one splits (and dups) into a world of one.
+            self.alone("split")?;
+            return Ok(Comm::with_link_of(self.cfg.clone(), None, self.algorithm()));
+        }
+        self.check_thread(&"split")?;
+        self.split_setup(color, key)
+            .map_err(|e| self.set_up_failed(e))
+    }
+
+    /// A rank that failed setting up its subgroup (not in this communicator's operations, whose
+    /// failures are told already) tells the others, who may wait on it in the split's steps.
+    #[cold]
+    fn set_up_failed(&self, e: Error) -> Error {
+        if self.check_usable().is_ok() {
+            let why = format!(
+                "rank {} could not set up its subgroup in split: {e}",
+                self.rank
+            );
+            self.end_and_tell(Poison::Failed(why.clone()), &why);
+        }
+        e
+    }
+
+    /// [`Comm::split_comm`] beyond a world of one, from the owning thread.
+    fn split_setup(&self, color: i32, key: i32) -> Result<Comm> {
+        let (n, r) = (self.size, self.rank);
+        let mut mine = [0u8; 8];
+        mine[..4].copy_from_slice(&color.to_le_bytes());
+        mine[4..].copy_from_slice(&key.to_le_bytes());
+        let mut all = vec![0u8; 8 * n];
+        self.split_step(1, &mine, &mut all)?;
+        let entry = |q: usize| {
+            let e = &all[8 * q..8 * q + 8];
+            (
+                i32::from_le_bytes(e[..4].try_into().unwrap()),
+                i32::from_le_bytes(e[4..].try_into().unwrap()),
+            )
+        };
+        let mut members: Vec<usize> = if color < 0 {
+            vec![r]
+        } else {
+            (0..n).filter(|&q| entry(q).0 == color).collect()
+        };
+        members.sort_by_key(|&q| (entry(q).1, q));
+        let sub_rank = members
+            .iter()
+            .position(|&q| q == r)
+            .expect("a member of its own group");
+        let grouped = members.len() > 1;
+        // The subgroup's first rank listens for its side channel; everyone learns the address.
+        let my_ip = match &self.cfg.bind_addr {
+            Some(ip) => ip.clone(),
+            None => {
+                let a = self
+                    .lock()
+                    .link
+                    .as_ref()
+                    .map(|l| l.peer(r).addr)
+                    .unwrap_or_default();
+                if a.is_empty() {
+                    "127.0.0.1".into()
+                } else {
+                    a
+                }
+            }
+        };
+        let mut listener = None;
+        let mut field = [0u8; 64];
+        if grouped && sub_rank == 0 {
+            let l = std::net::TcpListener::bind((my_ip.as_str(), 0))
+                .map_err(|e| Error::Bootstrap(format!("split: cannot listen on {my_ip}: {e}")))?;
+            let text = l.local_addr()?.to_string();
+            field[..text.len()].copy_from_slice(text.as_bytes());
+            listener = Some(l);
+        }
+        let mut fields = vec![0u8; 64 * n];
+        self.split_step(2, &field, &mut fields)?;
+        let lead = members[0];
+        let lead_addr = String::from_utf8_lossy(&fields[64 * lead..64 * lead + 64])
+            .trim_end_matches('\0')
+            .to_string();
+        let mut sub_cfg = self.cfg.clone();
+        sub_cfg.rank = sub_rank;
+        sub_cfg.world_size = members.len();
+        sub_cfg.coordinator = lead_addr;
+        // The subgroup's own count of members on this host, not the launcher's count for the
+        // world: one rank per host of a 2 x 2 job is no group for shared memory alone.
+        sub_cfg.local_world = self.members_here(&members);
+        // Cards over this communicator: every rank takes part, even one that joins no subgroup.
+        let exchange = |card: &[u8]| -> Result<Vec<Vec<u8>>> {
+            let mut lens = vec![0u8; 4 * n];
+            self.split_step(3, &(card.len() as u32).to_le_bytes(), &mut lens)?;
+            let len_of =
+                |q: usize| u32::from_le_bytes(lens[4 * q..4 * q + 4].try_into().unwrap()) as usize;
+            let max = (0..n).map(len_of).max().unwrap_or(0);
+            let mut padded = card.to_vec();
+            padded.resize(max, 0);
+            let mut cards = vec![0u8; max * n];
+            self.split_step(4, &padded, &mut cards)?;
+            Ok(members
+                .iter()
+                .map(|&q| cards[q * max..q * max + len_of(q)].to_vec())
+                .collect::<Vec<_>>())
+        };
+        // A card as bytes: its common part's length and bytes, its entry size, its entries.
+        let flatten = |c: &Card| {
+            let mut v = (c.common.len() as u32).to_le_bytes().to_vec();
+            v.extend_from_slice(&c.common);
+            v.extend_from_slice(&(c.entry as u32).to_le_bytes());
+            v.extend_from_slice(&c.each);
+            v
+        };
+        let unflatten = |b: &[u8]| -> Result<Card> {
+            let mut r = crate::bootstrap::Reader(b);
+            let common = r.bytes()?.to_vec();
+            let entry = r.u32()? as usize;
+            Ok(Card {
+                common,
+                entry,
+                each: r.0.to_vec(),
+            })
+        };
+        if !grouped {
+            exchange(&flatten(&Card::default()))?;
+            let cfg = Config {
+                rank: 0,
+                world_size: 1,
+                ..sub_cfg
+            };
+            return Comm::new(&cfg);
+        }
+        let kind = self.cfg.transport;
+        let meet_cfg = sub_cfg.clone();
+        let link = transport::connect_with(&sub_cfg, kind, &mut |card| {
+            let cards = exchange(&flatten(card))?
+                .iter()
+                .map(|b| unflatten(b).map(|c| c.for_rank(sub_rank)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut rv = crate::bootstrap::rendezvous::rendezvous_on(
+                &meet_cfg,
+                &Card::default(),
+                listener.take(),
+            )?;
+            rv.cards = cards;
+            Ok(rv)
+        })?;
+        Ok(Comm::with_link_of(sub_cfg, Some(link), self.algorithm()))
+    }
+
+    /// How many of `members` (ranks of this communicator) share this rank's host, where the
+    /// link knows: every one over shared memory alone, else as its hosts say; `None` where it
+    /// cannot tell (a subgroup then finds out at its own rendezvous).
+    fn members_here(&self, members: &[usize]) -> Option<usize> {
+        if self.medium == Some(crate::transport::Medium::SharedMemory) {
+            return Some(members.len());
+        }
+        let g = self.lock();
+        let hosts = g.link.as_ref()?.hosts()?;
+        let mine = *hosts.get(self.rank)?;
+        Some(
+            members
+                .iter()
+                .filter(|&&q| hosts.get(q) == Some(&mine))
+                .count(),
+        )
+    }
+}

@@ -1,0 +1,46 @@
+//! What a new communicator logs at `info` (the `NCCL_DEBUG=INFO` of rdmacomm).
+
+use super::*;
+
+/// Each rank's summary of a new communicator at `info` (as `NCCL_DEBUG=INFO` prints), and rank
+/// 0's line for the job.
+pub(super) fn summarise(
+    cfg: &Config,
+    (local, nlocal): (usize, usize),
+    described: &str,
+    algo: Algo,
+) {
+    if !log::log_enabled!(log::Level::Info) {
+        return;
+    }
+    if cfg.rank == 0 {
+        let job = if cfg.job_id.is_empty() {
+            "(no job id)".to_string()
+        } else {
+            format!("{:?}", cfg.job_id)
+        };
+        log::info!(
+            "job {job}: {} ranks, coordinator {}, timeout {:?}, secret {}",
+            cfg.world_size,
+            cfg.coordinator,
+            cfg.timeout,
+            if cfg.secret.is_some() { "yes" } else { "no" }
+        );
+    }
+    log::info!(
+        "rank {} of {}: {described}; {nlocal} ranks on this host (local rank {local}), host id \
+         {:?}; RDMA slots {} x {} B, TCP chunk {} B, zero-copy from {} B; all_reduce {algo:?} \
+         (recursive doubling up to {} B), broadcast {:?}; progress {:?}, polling {:?}",
+        cfg.rank,
+        cfg.world_size,
+        cfg.host_id,
+        cfg.slots,
+        cfg.slot_bytes,
+        cfg.tcp_chunk,
+        cfg.zero_copy_min,
+        crate::collectives::DOUBLING_MAX_BYTES,
+        cfg.bcast,
+        cfg.progress,
+        cfg.poll
+    );
+}

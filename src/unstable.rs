@@ -1,0 +1,23 @@
+//! Internals that rdmacomm's own tools, benchmarks and tests reach for: the verbs owners, the
+//! rendezvous, the reduction and copy kernels, the local launcher. No stability promise: any of
+//! it may change in any release. Applications use the crate root.
+
+/// The verbs owners (device, memory, queues), as the RDMA transport uses them.
+pub mod verbs {
+    pub use crate::verbs::*;
+}
+
+/// The rendezvous: how ranks meet at rank 0 and exchange their cards.
+pub mod rendezvous {
+    pub use crate::bootstrap::rendezvous::{rendezvous, rendezvous_on, Card, Rendezvous};
+}
+
+/// The reduction kernels and their reference.
+pub mod reduce {
+    pub use crate::reduce::{choose_simd, reduce_into, reference, simd_level, SimdLevel};
+}
+
+pub use crate::config::launcher_device_from_env as device_from_env;
+pub use crate::copy::kernel as copy_kernel;
+pub use crate::launch::run_local;
+pub use crate::transport::rdma::MAX_REGISTERED;
