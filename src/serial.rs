@@ -5,7 +5,6 @@
 //! crossed. Frameworks that keep their transport for the life of the process never drop it,
 //! so every one is closed at process exit.
 
-use crate::api::Communicator as _;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use std::sync::{Arc, Mutex, Once, TryLockError, Weak};
@@ -43,12 +42,12 @@ impl<S> Serial<S> {
             Ok(g) => g,
             Err(TryLockError::Poisoned(e)) => e.into_inner(),
             Err(TryLockError::WouldBlock) => {
+                // The adapters say which rank (the message is theirs to prefix).
                 return Err(Error::InvalidArgument(format!(
-                    "rank {}: {what} was called while another thread's call runs on this \
-                     communicator; their order could differ between ranks: give each thread its \
-                     own (split or dup)",
-                    self.comm.rank()
-                )))
+                    "{what} was called while another thread's call runs on this communicator; \
+                     their order could differ between ranks: give each thread its own (split or \
+                     dup)"
+                )));
             }
         };
         self.comm.claim();

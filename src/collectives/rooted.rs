@@ -324,3 +324,20 @@ pub fn all_to_all(
     }
     Ok(())
 }
+
+/// Byte offsets of consecutive blocks of `lens` (n + 1 entries).
+pub(crate) fn offsets(lens: &[usize]) -> Vec<usize> {
+    let mut o = Vec::with_capacity(lens.len() + 1);
+    offsets_onto(lens, &mut o);
+    o
+}
+
+/// [`offsets`], appended to `o` (a buffer reused from call to call allocates nothing).
+pub(crate) fn offsets_onto(lens: &[usize], o: &mut Vec<usize>) {
+    let mut at = 0;
+    o.push(at);
+    for l in lens {
+        at += l;
+        o.push(at);
+    }
+}

@@ -154,10 +154,12 @@ fn all_to_all_with_equal_uneven_and_empty_blocks() {
                 for pairwise in [false, true] {
                     let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
                         let r = l.rank();
-                        let so =
-                            crate::api::offsets(&(0..n).map(|q| len(r, q)).collect::<Vec<_>>());
-                        let ro =
-                            crate::api::offsets(&(0..n).map(|q| len(q, r)).collect::<Vec<_>>());
+                        let so = crate::collectives::rooted::offsets(
+                            &(0..n).map(|q| len(r, q)).collect::<Vec<_>>(),
+                        );
+                        let ro = crate::collectives::rooted::offsets(
+                            &(0..n).map(|q| len(q, r)).collect::<Vec<_>>(),
+                        );
                         let input: Vec<u8> = (0..n)
                             .flat_map(|q| (0..len(r, q)).map(move |i| byte(r, q, i)))
                             .collect();
@@ -200,7 +202,9 @@ fn uneven_all_gather_and_reduce_scatter() {
                 // Part q has (q * 3 % 4) * scale elements: some parts empty, most uneven.
                 let counts: Vec<usize> = (0..n).map(|q| (q * 3 % 4) * scale).collect();
                 let elems: usize = counts.iter().sum();
-                let offs = crate::api::offsets(&counts.iter().map(|c| c * 4).collect::<Vec<_>>());
+                let offs = crate::collectives::rooted::offsets(
+                    &counts.iter().map(|c| c * 4).collect::<Vec<_>>(),
+                );
                 let (o2, c2) = (offs.clone(), counts.clone());
                 let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
                     let r = l.rank();

@@ -217,3 +217,42 @@ fn sum_scatter_and_health_as_nuvec_06_defines_them() {
         }
     }
 }
+
+/// Two calls at once on one transport, from two threads: the second is refused (the two could
+/// pair differently on each rank), naming the rank once; the first completes. The message used
+/// to say "rank 0:" twice.
+fn two_at_once() {
+    let t = std::sync::Arc::new(Transport::new(rdmacomm::Comm::from_env().unwrap()));
+    let rank = t.rank();
+    if rank == 1 {
+        std::thread::sleep(Duration::from_millis(600));
+    }
+    let first = t.clone();
+    let under_way = std::thread::spawn(move || {
+        let mut b = 1.0f32.to_le_bytes();
+        first
+            .all_reduce(distributed::AllReduce::Sum, DType::F32, &mut b)
+            .map(|()| f32::from_le_bytes(b))
+    });
+    if rank == 0 {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut b = 1.0f32.to_le_bytes();
+        let err = t
+            .all_reduce(distributed::AllReduce::Sum, DType::F32, &mut b)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("another thread's call runs"), "{err}");
+        assert_eq!(err.matches("rank 0:").count(), 1, "{err}");
+    }
+    assert_eq!(under_way.join().unwrap().unwrap(), 2.0);
+}
+
+#[test]
+fn a_second_call_at_once_is_refused_naming_the_rank_once() {
+    ranks_raw(
+        "a_second_call_at_once_is_refused_naming_the_rank_once",
+        2,
+        &[],
+        two_at_once,
+    );
+}
