@@ -375,3 +375,108 @@ fn a_failure_between_others_passes_a_busy_rank_0() {
     );
     assert_all_ok(&res);
 }
+
+/// Settings no process can honour are a `Config` error naming them, never a panic or an abort:
+/// a timeout whose deadlines would overflow, cores past the affinity set (libc's CPU_SET aborts
+/// on them), queue-pair fields out of their range. Checked in a child process, so that an abort
+/// fails this test instead of ending the harness.
+#[test]
+fn impossible_settings_are_errors_not_aborts() {
+    const NAME: &str = "impossible_settings_are_errors_not_aborts";
+    if is_child(NAME) {
+        use rdmacomm::config::Pin;
+        use std::time::Duration;
+        let base = || Config::defaults(0, 1, "");
+        let cases: Vec<(&str, Config)> = vec![
+            (
+                "timeout",
+                Config {
+                    timeout: Duration::MAX,
+                    ..base()
+                },
+            ),
+            (
+                "timeout",
+                Config {
+                    timeout: Duration::ZERO,
+                    ..base()
+                },
+            ),
+            (
+                "RDMACOMM_PIN: core 4096",
+                Config {
+                    pin: Pin::Cores(vec![4096]),
+                    ..base()
+                },
+            ),
+            (
+                "RDMACOMM_PROGRESS_CPU: core 1024",
+                Config {
+                    progress_cpu: Some(1024),
+                    ..base()
+                },
+            ),
+            (
+                "RDMACOMM_IB_TIMEOUT=0",
+                Config {
+                    ib_timeout: Some(0),
+                    ..base()
+                },
+            ),
+            (
+                "RDMACOMM_IB_RETRY=7",
+                Config {
+                    ib_retry: Some(7),
+                    ..base()
+                },
+            ),
+            (
+                "local world size 0",
+                Config {
+                    local_world: Some(0),
+                    ..base()
+                },
+            ),
+        ];
+        for (want, cfg) in cases {
+            match Comm::new(&cfg) {
+                Err(rdmacomm::Error::Config(e)) => {
+                    assert!(e.contains(want), "{want}: {e}");
+                    println!("REFUSED {want}: {e}");
+                }
+                Err(e) => panic!("{want}: not a configuration error: {e}"),
+                Ok(c) => {
+                    // What used to abort: the progress thread pinned to the core at overlap().
+                    let mut d = vec![0u8; 8];
+                    let _ = c.overlap(|o| {
+                        let _ = o.all_reduce_bytes(AllReduce::Sum, DType::f32, &mut d);
+                    });
+                    panic!("{want}: accepted");
+                }
+            }
+        }
+        // The same from the environment.
+        std::env::set_var("RDMACOMM_PROGRESS_CPU", "1024");
+        let e = Config::from_env().unwrap_err().to_string();
+        assert!(e.contains("RDMACOMM_PROGRESS_CPU: core 1024"), "{e}");
+        println!("ALL-REFUSED");
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, NAME)
+        .env("RDMACOMM_RANK", "0")
+        .env("RDMACOMM_WORLD_SIZE", "1")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("ALL-REFUSED"),
+        "exit {:?}:\n{text}",
+        out.status
+    );
+}

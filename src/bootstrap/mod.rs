@@ -4,16 +4,18 @@
 //! which checks every joiner and hands out the transports' cards (`rendezvous.rs`); its wire
 //! (length-prefixed frames over TCP, `wire.rs`); the side channel those connections become, kept
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
-//! 0's relay thread (`relay.rs`). It reads the configuration and nothing above it.
+//! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`). It reads the configuration and nothing above it.
 
 pub mod discover;
 pub mod pmix;
 mod relay;
 pub mod rendezvous;
 mod side_channel;
+mod stalls;
 mod wire;
 
-pub use side_channel::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
+pub use side_channel::{Probe, SideChannel};
+pub use stalls::{STALL_VERDICT, STALL_WINDOW};
 pub(crate) use wire::*;
 
 /// Bytes of an operation descriptor as probes carry it (`transport::op::WIRE`, which checks

@@ -1,16 +1,19 @@
 //! Rank 0's relay: a thread that reads every rank's side-channel connection and passes on at
 //! once what the others must learn (aborts, departures, probes), whatever rank 0's own thread
-//! is doing meanwhile (another communicator's operation, the application's own work). Rank 0's
-//! side channel takes what the thread read from its inbox.
+//! is doing meanwhile (another communicator's operation, the application's own work); it also
+//! judges stalled waits, so a verdict never waits for rank 0's own thread. Rank 0's side channel
+//! takes what the thread read from its inbox.
 
+use super::stalls::{verdict, STALL_WINDOW};
 use super::wire::*;
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// What the relay read from rank `r`'s connection.
 pub(super) enum Event {
@@ -29,7 +32,12 @@ pub(super) struct Shared {
     pub abort_sent: AtomicBool,
     inbox: Mutex<VecDeque<Event>>,
     stop: AtomicBool,
+    /// Whom rank 0's own thread waits on now, and whom it reported a stall on (`NONE`: nobody).
+    waiting: AtomicUsize,
+    own_stall: AtomicUsize,
 }
+
+const NONE: usize = usize::MAX;
 
 impl Default for Shared {
     fn default() -> Self {
@@ -38,6 +46,8 @@ impl Default for Shared {
             abort_sent: AtomicBool::new(false),
             inbox: Mutex::new(VecDeque::new()),
             stop: AtomicBool::new(false),
+            waiting: AtomicUsize::new(NONE),
+            own_stall: AtomicUsize::new(NONE),
         }
     }
 }
@@ -46,6 +56,17 @@ impl Shared {
     /// What the relay read since the last call.
     pub fn take(&self) -> VecDeque<Event> {
         std::mem::take(&mut *self.inbox.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Rank 0's own thread waits on `p` now (or on nobody).
+    #[inline]
+    pub fn set_waiting(&self, p: Option<usize>) {
+        self.waiting.store(p.unwrap_or(NONE), Ordering::Relaxed);
+    }
+
+    /// Rank 0's own wait on `p` ran out.
+    pub fn stalled_on(&self, p: usize) {
+        self.own_stall.store(p, Ordering::SeqCst);
     }
 
     fn push(&self, e: Event) {
@@ -104,8 +125,13 @@ fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
     let mut pending = vec![Vec::new(); n];
     let mut left = vec![false; n];
     let mut leaving = vec![false; n];
+    let mut stalls = Stalls {
+        reported: vec![None; n],
+        since: None,
+    };
     let mut buf = [0u8; 4096];
     loop {
+        stalls.judge(&mut conns, sh);
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
@@ -149,6 +175,7 @@ fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
             // Whole frames first: a goodbye just before the end makes the end no failure.
             while let Some((kind, body)) = next_frame(&mut pending[r]) {
                 match kind {
+                    Some(STALLED) => stalls.report(r, &body),
                     Some(kind) => relay(&mut conns, sh, r, kind, body, &mut left, &mut leaving),
                     None => {
                         sh.push(Event::Ended(
@@ -175,6 +202,52 @@ fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
                 sh.push(Event::Ended(r, why));
             }
         }
+    }
+}
+
+/// The stall reports the relay gathers.
+struct Stalls {
+    /// Whom each rank said it waits on after its wait ran out.
+    reported: Vec<Option<usize>>,
+    /// When the first report came.
+    since: Option<Instant>,
+}
+
+impl Stalls {
+    /// Rank `r` reported a stall (body: the rank it waits on).
+    fn report(&mut self, r: usize, body: &[u8]) {
+        let on = Reader(body).u32().map_or(NONE, |w| w as usize);
+        if on < self.reported.len() {
+            self.reported[r] = Some(on);
+            self.since.get_or_insert_with(Instant::now);
+        }
+    }
+
+    /// Once reports have gathered for [`STALL_WINDOW`] and nothing else was told: names the rank
+    /// the waits lead to, to every rank and to rank 0's own side channel.
+    fn judge(&mut self, conns: &mut [Option<(TcpStream, TcpStream)>], sh: &Shared) {
+        let own = sh.own_stall.load(Ordering::SeqCst);
+        if own < self.reported.len() && self.reported[0].is_none() {
+            self.reported[0] = Some(own);
+            self.since.get_or_insert_with(Instant::now);
+        }
+        let Some(since) = self.since else { return };
+        if since.elapsed() < STALL_WINDOW || sh.abort_sent.load(Ordering::SeqCst) {
+            return;
+        }
+        self.since = None;
+        let mut waiting = vec![None; self.reported.len()];
+        waiting[0] = Some(sh.waiting.load(Ordering::Relaxed)).filter(|&w| w != NONE);
+        let Some((culprit, why)) = verdict(&self.reported, &waiting) else {
+            return;
+        };
+        if sh.abort_sent.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut body = (culprit as u32).to_le_bytes().to_vec();
+        put_bytes(&mut body, why.as_bytes());
+        send_all(conns, sh, ABORT, &body, None);
+        sh.push(Event::Frame(0, ABORT, body));
     }
 }
 

@@ -2,6 +2,7 @@
 //! stall reports (rank 0 judges whom the waits lead to) and goodbyes.
 
 use super::relay::{Event, Relay, Shared};
+use super::stalls::{verdict, STALL_WINDOW};
 use super::wire::*;
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read};
@@ -10,24 +11,21 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long rank 0 gathers stall reports before it names the rank the waits lead to (the ranks
-/// waiting on a stopped one run out of time within milliseconds of each other).
-pub const STALL_WINDOW: Duration = Duration::from_millis(400);
-
-/// How a stall verdict begins.
-pub const STALL_VERDICT: &str = "stopped making progress";
-
 /// A rank's wait on a peer, told to that peer ([`SideChannel::probe`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Probe {
     /// The rank that waits (as received; as sent, the rank waited on).
     pub from: usize,
-    /// Its operation's number in the direction from the rank it waits on.
+    /// Its operations from the rank it waits on, this one included if it receives from there.
     pub seq_in: u64,
-    /// Its number of operations toward that rank, this one included if it sends there.
+    /// Its operations toward that rank, this one included if it sends there.
     pub seq_out: u64,
-    /// Its operation's descriptor, numbered `seq_in`.
+    /// Its operation's descriptor (the number in it is not read).
     pub desc: [u8; super::DESC_BYTES],
+    /// Whether its operation sends to the rank it waits on (as number `seq_out`).
+    pub sends: bool,
+    /// Whether its operation receives from the rank it waits on (as number `seq_in`).
+    pub recvs: bool,
 }
 
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.
@@ -54,7 +52,7 @@ pub struct SideChannel {
     /// Rank 0: when the first stall report came.
     stall_since: Option<Instant>,
     /// Whom this rank waits on now, if it is inside an operation.
-    pub(crate) waiting: Option<usize>,
+    waiting: Option<usize>,
     /// When each rank was learned to be closing its communicator.
     leaving: Vec<Option<Instant>>,
     /// Probes addressed to this rank, not yet read.
@@ -206,7 +204,6 @@ impl SideChannel {
                     }
                 }
             }
-            self.judge_stalls();
             return;
         }
         let mut buf = [0u8; 4096];
@@ -303,7 +300,7 @@ impl SideChannel {
                 }
             }
             PROBE => self.take_probe(r, &body),
-            STALLED if self.rank == 0 => {
+            STALLED if self.rank == 0 && self.relay.is_none() => {
                 let on = Reader(&body).u32().map_or(usize::MAX, |w| w as usize);
                 if on < self.stalls.len() {
                     self.stalls[r] = Some(on);
@@ -320,9 +317,14 @@ impl SideChannel {
     /// sender is the stream's own rank unless rank 0 relayed it.
     fn take_probe(&mut self, r: usize, body: &[u8]) {
         let mut rd = Reader(body);
-        let (Ok(to), Ok(from), Ok(seq_in), Ok(seq_out), Ok(desc)) =
-            (rd.u32(), rd.u32(), rd.u64(), rd.u64(), rd.take(16))
-        else {
+        let (Ok(to), Ok(from), Ok(seq_in), Ok(seq_out), Ok(desc), Ok(dirs)) = (
+            rd.u32(),
+            rd.u32(),
+            rd.u64(),
+            rd.u64(),
+            rd.take(16),
+            rd.take(1),
+        ) else {
             return;
         };
         let (to, from) = (to as usize, from as usize);
@@ -336,6 +338,8 @@ impl SideChannel {
                     seq_in,
                     seq_out,
                     desc: desc.try_into().expect("16 bytes"),
+                    sends: dirs[0] & 1 != 0,
+                    recvs: dirs[0] & 2 != 0,
                 });
             }
         } else if self.rank == 0 {
@@ -440,6 +444,7 @@ impl SideChannel {
         body.extend_from_slice(&p.seq_in.to_le_bytes());
         body.extend_from_slice(&p.seq_out.to_le_bytes());
         body.extend_from_slice(&p.desc);
+        body.push(p.sends as u8 | (p.recvs as u8) << 1);
         let via = if self.rank == 0 { to } else { 0 };
         self.send(via, PROBE, &body);
     }
@@ -467,13 +472,14 @@ impl SideChannel {
         if self.rank == 0 {
             self.stalls[0] = Some(waiting_on);
             self.stall_since.get_or_insert_with(Instant::now);
+            self.shared.stalled_on(waiting_on);
         } else {
             self.send(0, STALLED, &(waiting_on as u32).to_le_bytes());
         }
     }
 
-    /// Rank 0, once stall reports have gathered for [`STALL_WINDOW`]: follows the waits from
-    /// the first reporter to a rank that waits on nobody, and tells the group it stopped.
+    /// Rank 0 without a relay, once stall reports have gathered for [`STALL_WINDOW`]: names the
+    /// rank the waits lead to ([`verdict`]) and tells the group (the relay does it otherwise).
     fn judge_stalls(&mut self) {
         let Some(since) = self.stall_since else {
             return;
@@ -481,48 +487,29 @@ impl SideChannel {
         if self.failure.is_some() || since.elapsed() < STALL_WINDOW {
             return;
         }
-        let mut waits = self.stalls.clone();
-        if waits[0].is_none() {
-            waits[0] = self.waiting; // rank 0 itself, waiting but not yet out of time
+        let mut waiting = vec![None; self.stalls.len()];
+        waiting[0] = self.waiting;
+        if let Some((culprit, why)) = verdict(&self.stalls, &waiting) {
+            self.record_failure(culprit, why.clone());
+            self.abort(culprit, &why);
         }
-        let Some(first) = (0..waits.len()).find(|&r| self.stalls[r].is_some()) else {
-            return;
-        };
-        let mut chain = vec![first];
-        let mut cycle = false;
-        while let Some(next) = waits[*chain.last().expect("one")] {
-            if chain.contains(&next) {
-                cycle = true;
-                break;
+    }
+
+    /// Whom this rank waits on now (rank 0's relay reads it when it judges a stall).
+    #[inline]
+    pub fn set_waiting(&mut self, p: Option<usize>) {
+        if self.waiting != p {
+            self.waiting = p;
+            if self.relay.is_some() {
+                self.shared.set_waiting(p);
             }
-            chain.push(next);
         }
-        let path = chain
-            .iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(" -> ");
-        let (culprit, why) = if cycle {
-            (
-                waits[first].expect("a reporter"),
-                format!(
-                    "{STALL_VERDICT}: ranks {path} wait on each other (do their sends and \
-                     receives match?)"
-                ),
-            )
-        } else {
-            let c = *chain.last().expect("one");
-            (
-                c,
-                format!(
-                    "{STALL_VERDICT}: ranks waited on it for the timeout (waits: {path}) while it \
-                     waits on nobody: stopped (SIGSTOP, a debugger), hung, or busy outside \
-                     rdmacomm"
-                ),
-            )
-        };
-        self.record_failure(culprit, why.clone());
-        self.abort(culprit, &why);
+    }
+
+    /// Whom this rank waits on now, if it is inside an operation.
+    #[inline]
+    pub fn waiting(&self) -> Option<usize> {
+        self.waiting
     }
 }
 

@@ -10,8 +10,8 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// settings, a configuration error and a MAC; with a secret, the card only after rank 0 proved
 /// it; per-rank tables with a session key; operation descriptors on the data path; a key per
 /// peer over RDMA), checked at the rendezvous so that mixed builds fail with a
-/// clear error instead of misreading each other.
-pub(crate) const VERSION: u16 = 5;
+/// clear error instead of misreading each other; 6: a probe says which ways its operation goes).
+pub(crate) const VERSION: u16 = 6;
 pub(crate) const HELLO: u8 = 1;
 pub(crate) const REJECT: u8 = 2;
 pub(crate) const TABLE: u8 = 3;
@@ -23,10 +23,10 @@ pub(super) const BYE: u8 = 7;
 pub(super) const STALLED: u8 = 8;
 /// A rank closes its communicator (body: its rank); rank 0 relays it to every rank.
 pub(super) const LEAVING: u8 = 9;
-/// A rank has waited on a peer without progress: its operation's number in the direction from
-/// that peer and its descriptor (body: to, from, number, descriptor), relayed by rank 0. The peer
-/// compares it with its own call: mismatched calls that move no byte (both waiting to receive)
-/// are named at once, not after the timeout.
+/// A rank has waited on a peer without progress: its operation's numbers in both directions, its
+/// descriptor and which ways it goes (body: to, from, in, out, descriptor, directions), relayed
+/// by rank 0. The peer compares it with its own call in the same direction: mismatched calls that
+/// move no byte (both waiting to receive) are named at once, not after the timeout.
 pub(super) const PROBE: u8 = 10;
 pub(super) const MAX_FRAME: usize = 64 << 20;
 

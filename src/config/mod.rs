@@ -446,9 +446,65 @@ impl Config {
                 self.slots
             )));
         }
+        if !(MIN_TIMEOUT..=MAX_TIMEOUT).contains(&self.timeout) {
+            return Err(Error::Config(format!(
+                "timeout {:?} (RDMACOMM_TIMEOUT): must be from 1 ms to 1e9 s (beyond, deadlines \
+                 overflow)",
+                self.timeout
+            )));
+        }
+        self.check_cores()?;
+        if let Some(t) = self.ib_timeout.filter(|t| !(1..=31).contains(t)) {
+            return Err(Error::Config(format!(
+                "RDMACOMM_IB_TIMEOUT={t}: must be 1..=31"
+            )));
+        }
+        if let Some(r) = self.ib_retry.filter(|r| *r > 6) {
+            return Err(Error::Config(format!(
+                "RDMACOMM_IB_RETRY={r}: must be 0..=6"
+            )));
+        }
+        if self.local_world == Some(0) {
+            return Err(Error::Config(
+                "local world size 0: a launcher that says how many ranks it started here says at \
+                 least 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every core named (`pin`, `progress_cpu`) is one this process may run on: a core past
+    /// the affinity set's size would abort the process inside libc.
+    fn check_cores(&self) -> Result<()> {
+        let named: Vec<(usize, &str)> = match &self.pin {
+            crate::pin::Pin::Cores(c) => c.iter().map(|&c| (c, "RDMACOMM_PIN")).collect(),
+            _ => Vec::new(),
+        };
+        let cpu = self.progress_cpu.map(|c| (c, "RDMACOMM_PROGRESS_CPU"));
+        if named.is_empty() && cpu.is_none() {
+            return Ok(());
+        }
+        let allowed = crate::pin::allowed_cores();
+        for (core, name) in named.into_iter().chain(cpu) {
+            if !allowed.contains(&core) {
+                return Err(Error::Config(format!(
+                    "{name}: core {core} is not one this process may run on ({})",
+                    allowed
+                        .iter()
+                        .map(|c| c.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )));
+            }
+        }
         Ok(())
     }
 }
+
+/// The shortest and longest timeouts a configuration may set.
+const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 
 /// Fails on an `RDMACOMM_*` variable that nothing reads (a typo), naming the closest known one.
 fn check_names() -> Result<()> {

@@ -217,17 +217,16 @@ impl Link for HybridTransport {
             self.pacer.progress();
             return Ok(());
         }
-        match self.pacer.idle() {
+        let timeout = self.timeout;
+        match self
+            .net
+            .watch_mut()
+            .idle(&mut self.pacer, waiting_on, timeout)?
+        {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
-            Wait::BackOff => {
-                let stalled = self.pacer.stalled_for();
-                self.net.watch_mut().poll_waiting(waiting_on, stalled)?;
-                std::thread::sleep(NAP);
-            }
-            Wait::Expired => {
-                return Err(self.net.watch_mut().stalled(waiting_on, self.timeout));
-            }
+            Wait::BackOff => std::thread::sleep(NAP),
+            Wait::Expired => {}
         }
         Ok(())
     }

@@ -74,6 +74,8 @@ pub struct Pacer {
     phase: Wait,
     /// The last clock read.
     last_read: Instant,
+    /// Whether the last [`Pacer::idle`] read the clock.
+    read: bool,
 }
 
 impl Pacer {
@@ -92,6 +94,7 @@ impl Pacer {
             idle_since: now,
             phase: Wait::Spin,
             last_read: now,
+            read: false,
         }
     }
 
@@ -117,6 +120,12 @@ impl Pacer {
         self.last_read.saturating_duration_since(self.last_progress)
     }
 
+    /// Whether the last [`Pacer::idle`] read the clock (every [`CLOCK_EVERY`] polls at most
+    /// while spinning or yielding, on every poll while backing off).
+    pub fn just_read(&self) -> bool {
+        self.read
+    }
+
     /// Changes the timeout (e.g. shorter at teardown).
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
@@ -124,6 +133,7 @@ impl Pacer {
 
     /// A poll found nothing: what to do now.
     pub fn idle(&mut self) -> Wait {
+        self.read = false;
         self.idle_polls = self.idle_polls.saturating_add(1);
         if self.idle_polls < CLOCK_EVERY {
             // Not timed yet: spin, or yield at once when told not to spin at all.
@@ -142,6 +152,7 @@ impl Pacer {
             return self.phase;
         }
         self.since_read = 0;
+        self.read = true;
         let now = Instant::now();
         self.last_read = now;
         if self.progressed {

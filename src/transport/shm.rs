@@ -150,15 +150,13 @@ impl Link for ShmTransport {
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
         self.watch.waiting_on(Some(waiting_on));
         self.watch.poll_sometimes()?;
-        match self.pacer.idle() {
+        match self.watch.idle(&mut self.pacer, waiting_on, self.timeout)? {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch
-                    .poll_waiting(waiting_on, self.pacer.stalled_for())?;
                 std::thread::sleep(NAP);
             }
-            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
+            Wait::Expired => {}
         }
         Ok(())
     }

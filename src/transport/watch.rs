@@ -4,6 +4,7 @@
 use crate::bootstrap::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
 use crate::error::{Error, Peer, Result};
 use crate::transport::op::{OpDesc, OpKind, Scope};
+use crate::transport::pacer::{Pacer, Wait};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -67,9 +68,32 @@ pub struct Watch {
     seq_in: Vec<u64>,
     /// Per peer, the last [`HISTORY`] operations toward it: (number, descriptor).
     sent: Vec<[(u64, OpDesc); HISTORY]>,
+    /// Per peer, the last [`HISTORY`] operations from it: (number, descriptor).
+    recvd: Vec<[(u64, OpDesc); HISTORY]>,
+    /// Operations started here, and per peer the last one that sent to it / received from it
+    /// (so a wait knows which ways its operation goes with the peer waited on).
+    ops: u64,
+    out_at: Vec<u64>,
+    in_at: Vec<u64>,
+    /// Probes for operations this rank has not reached yet, compared once it has.
+    held: Vec<Probe>,
     /// Whether this operation's wait was told to the peer waited on.
     probed: bool,
 }
+
+/// What a peer's probe shows against this rank's calls.
+enum Verdict {
+    /// The calls differ: why, in words.
+    Mismatch(String),
+    /// The calls agree (or can no longer be compared).
+    Fine,
+    /// This rank has not reached the operation the probe is about.
+    NotYet,
+}
+
+/// How long a wait goes without progress before it reads the side channel and probes at each
+/// of the pacer's clock reads, whatever the polling mode.
+pub const WATCH_AFTER: Duration = Duration::from_millis(1);
 
 impl Watch {
     /// Watches through `side` for `rank`, whose group's host addresses are `addrs`.
@@ -84,6 +108,11 @@ impl Watch {
             request: Arc::default(),
             op: OpDesc::new(OpKind::Barrier, 0),
             sent: vec![[(0, OpDesc::new(OpKind::Barrier, 0)); HISTORY]; n],
+            recvd: vec![[(0, OpDesc::new(OpKind::Barrier, 0)); HISTORY]; n],
+            ops: 0,
+            out_at: vec![0; n],
+            in_at: vec![0; n],
+            held: Vec::new(),
             seq_out: vec![0; n],
             seq_in: vec![0; n],
             probed: false,
@@ -163,7 +192,7 @@ impl Watch {
     /// This rank is waiting on `p` now (rank 0 counts it when it judges a stall).
     #[inline]
     pub fn waiting_on(&mut self, p: Option<usize>) {
-        self.side.waiting = p;
+        self.side.set_waiting(p);
     }
 
     /// This rank's wait on `p` made no progress for `after`. A waiting neighbour is not to
@@ -190,7 +219,8 @@ impl Watch {
         if self.failed.is_none() {
             let why = format!(
                 "{STALL_VERDICT}: rank {} waited {after:?} on rank {p}, and rank 0 did not answer \
-                 its report within {:?} (stopped, hung, or busy outside rdmacomm)",
+                 its report within {:?} (its relay answers whatever rank 0 computes: the process \
+                 is stopped or hung)",
                 self.rank,
                 STALL_WINDOW + Duration::from_millis(400)
             );
@@ -243,14 +273,19 @@ impl Watch {
     pub fn started(&mut self, op: &OpDesc, scope: Scope) {
         self.op = *op;
         self.probed = false;
+        self.ops += 1;
         for p in 0..self.seq_out.len() {
             if scope.counts(p, true) {
                 let k = self.seq_out[p].wrapping_add(1);
                 self.seq_out[p] = k;
                 self.sent[p][k as usize % HISTORY] = (k, *op);
+                self.out_at[p] = self.ops;
             }
             if scope.counts(p, false) {
-                self.seq_in[p] = self.seq_in[p].wrapping_add(1);
+                let k = self.seq_in[p].wrapping_add(1);
+                self.seq_in[p] = k;
+                self.recvd[p][k as usize % HISTORY] = (k, *op);
+                self.in_at[p] = self.ops;
             }
         }
     }
@@ -264,49 +299,75 @@ impl Watch {
             self.failed = self.side.failure();
         }
         if self.failed.is_none() {
-            for pr in self.side.take_probes() {
-                if let Some(why) = self.deadlocked(&pr) {
-                    return Err(self.mismatch(pr.from, why));
+            let held = std::mem::take(&mut self.held);
+            let fresh = self.side.take_probes();
+            let all = held.iter().map(|p| (p, false));
+            for (pr, new) in all.chain(fresh.iter().map(|p| (p, true))) {
+                match self.deadlocked(pr, new) {
+                    Verdict::Mismatch(why) => return Err(self.mismatch(pr.from, why)),
+                    Verdict::NotYet if self.held.len() < 64 => self.held.push(*pr),
+                    _ => {}
                 }
             }
         }
         self.error().map_or(Ok(()), Err)
     }
 
-    /// Whether peer `q`'s wait on this rank (`pr`) and this rank's calls show mismatched calls,
-    /// in words. Two cases: q waits for the operation under way here toward it, and called
-    /// something else; or q waits for an operation this rank has not reached toward it while
-    /// this rank waits on q for one q has not reached toward it (neither can move again).
-    fn deadlocked(&self, pr: &Probe) -> Option<String> {
+    /// What peer `q`'s wait on this rank (`pr`) shows against this rank's calls. Each way the
+    /// peer's operation goes is compared with this rank's operation of the same number the other
+    /// way (what q sends as its k-th is what this rank receives as its k-th), once this rank has
+    /// reached it: numbers are absolute, so an old probe compares as truly as a new one. Then one
+    /// more case: q waits to receive an operation this rank has not reached toward it while this
+    /// rank waits on q for one q has not reached toward it (neither can move again), judged on a
+    /// `fresh` probe only (a held one may be out of date).
+    fn deadlocked(&self, pr: &Probe, fresh: bool) -> Verdict {
         let (q, me) = (pr.from, self.rank);
         if q >= self.seq_out.len() || q == me {
-            return None;
+            return Verdict::Fine;
         }
-        if pr.seq_in <= self.seq_out[q] {
-            // q waits for an operation this rank has reached toward it: compare the calls.
-            let (k, op) = self.sent[q][pr.seq_in as usize % HISTORY];
-            if k != pr.seq_in || pr.seq_in == 0 {
-                return None;
+        let mut not_yet = false;
+        // (q's number, this rank's count that way, this rank's history that way)
+        let ways = [
+            (pr.recvs, pr.seq_in, self.seq_out[q], &self.sent[q]),
+            (pr.sends, pr.seq_out, self.seq_in[q], &self.recvd[q]),
+        ];
+        for (goes, k, mine_so_far, history) in ways {
+            if !goes || k == 0 {
+                continue;
+            }
+            if k > mine_so_far {
+                not_yet = true;
+                continue;
+            }
+            let (at, op) = history[k as usize % HISTORY];
+            if at != k {
+                continue; // too old to compare
             }
             let mine = OpDesc { seq: k, ..op };
-            return mine.check(&pr.desc, q, me).err().map(|why| {
-                format!("{why} (rank {q} waited on rank {me} without either moving a byte)")
-            });
+            if let Err(why) = mine.check(&OpDesc::numbered(pr.desc, k), q, me) {
+                return Verdict::Mismatch(format!(
+                    "{why} (rank {q} waited on rank {me} without either moving a byte)"
+                ));
+            }
         }
-        let behind_me = self.seq_out[q] < pr.seq_in;
+        let behind_me = pr.recvs && self.seq_out[q] < pr.seq_in;
         let behind_them = pr.seq_out < self.seq_in[q];
-        if !(behind_me && behind_them && self.side.waiting == Some(q)) {
-            return None;
+        if fresh && behind_me && behind_them && self.side.waiting() == Some(q) {
+            let theirs = OpDesc::decode(&pr.desc, pr.seq_in)
+                .map_or_else(|| "an operation".to_string(), |t| t.to_string());
+            return Verdict::Mismatch(format!(
+                "mismatched operations: rank {q} waits on rank {me} in {theirs} (its operation {} \
+                 counting what rank {me} sent to it), while rank {me} waits on rank {q} in {} (its \
+                 operation {} counting what rank {q} sent to it): neither can move; every rank \
+                 must call the same operations, with the same arguments, in the same order",
+                pr.seq_in, self.op, self.seq_in[q]
+            ));
         }
-        let theirs = OpDesc::decode(&pr.desc, pr.seq_in)
-            .map_or_else(|| "an operation".to_string(), |t| t.to_string());
-        Some(format!(
-            "mismatched operations: rank {q} waits on rank {me} in {theirs} (its operation {} \
-             counting what rank {me} sent to it), while rank {me} waits on rank {q} in {} (its \
-             operation {} counting what rank {q} sent to it): neither can move; every rank \
-             must call the same operations, with the same arguments, in the same order",
-            pr.seq_in, self.op, self.seq_in[q]
-        ))
+        if not_yet {
+            Verdict::NotYet
+        } else {
+            Verdict::Fine
+        }
     }
 
     /// [`Watch::poll`] while waiting on `p`, after a nap, the wait having made no progress for
@@ -315,12 +376,13 @@ impl Watch {
     pub fn poll_waiting(&mut self, p: usize, stalled: Duration) -> Result<()> {
         if !self.probed && stalled >= PROBE_AFTER && p != self.rank && p < self.seq_in.len() {
             self.probed = true;
-            let seq_in = self.seq_in[p];
             self.side.probe(&Probe {
                 from: p,
-                seq_in,
+                seq_in: self.seq_in[p],
                 seq_out: self.seq_out[p],
-                desc: OpDesc::numbered(self.op.encode(), seq_in),
+                desc: self.op.encode(),
+                sends: self.out_at[p] == self.ops,
+                recvs: self.in_at[p] == self.ops,
             });
         }
         self.poll()?;
@@ -328,6 +390,21 @@ impl Watch {
             Some(t) if t.elapsed() >= LEAVE_GRACE && p != self.rank => Err(self.left(p)),
             _ => Ok(()),
         }
+    }
+
+    /// One idle poll of a wait on `p`: what the pacer says to do next. Whenever the pacer read
+    /// the clock on a wait stalled for [`WATCH_AFTER`] (in every polling mode, spinning too),
+    /// the side channel is read and the wait told to `p` ([`Watch::poll_waiting`]); a wait that
+    /// ran out becomes the stall verdict.
+    pub fn idle(&mut self, pacer: &mut Pacer, p: usize, timeout: Duration) -> Result<Wait> {
+        let w = pacer.idle();
+        if w == Wait::Expired {
+            return Err(self.stalled(p, timeout));
+        }
+        if w == Wait::BackOff || (pacer.just_read() && pacer.stalled_for() >= WATCH_AFTER) {
+            self.poll_waiting(p, pacer.stalled_for())?;
+        }
+        Ok(w)
     }
 
     /// Records (and tells the group) that `p` left while this rank waited on it.

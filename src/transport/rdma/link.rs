@@ -378,15 +378,13 @@ impl Link for RdmaTransport {
             self.made_progress();
             return Ok(());
         }
-        match self.pacer.idle() {
+        match self.watch.idle(&mut self.pacer, waiting_on, self.timeout)? {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch
-                    .poll_waiting(waiting_on, self.pacer.stalled_for())?;
                 self.nap()?;
             }
-            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
+            Wait::Expired => {}
         }
         Ok(())
     }

@@ -316,15 +316,13 @@ impl Link for TcpTransport {
         // Spin briefly (not at all when more local ranks than cores share the CPU), then yield
         // the core to whichever local rank has work, and only after 200 us of idleness block in
         // poll(2), which wakes as soon as data arrives: no core burnt on a long wait.
-        match self.pacer.idle() {
+        match self.watch.idle(&mut self.pacer, waiting_on, self.timeout)? {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.watch
-                    .poll_waiting(waiting_on, self.pacer.stalled_for())?;
                 self.wait(Duration::from_millis(1));
             }
-            Wait::Expired => return Err(self.watch.stalled(waiting_on, self.timeout)),
+            Wait::Expired => {}
         }
         Ok(())
     }

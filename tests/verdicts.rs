@@ -1,0 +1,194 @@
+//! No false verdict: a correct program with late or computing ranks is never failed, a stall
+//! between two ranks names the rank waited on (not rank 0, computing elsewhere), and the fast
+//! fault path (departures, two ranks both waiting to receive) works under every polling mode.
+//! Run over the transport under test (RDMACOMM_TRANSPORT), and in the VM over RDMA.
+
+mod common;
+use common::*;
+use rdmacomm::{Comm, Communicator, Error};
+use std::time::{Duration, Instant};
+
+fn env_or(k: &str, d: &str) -> String {
+    std::env::var(k).unwrap_or_else(|_| d.to_string())
+}
+
+/// The byte `i` of the message rank `r` sends.
+fn pattern(r: usize, i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ (r * 7 + i / 4093)) as u8
+}
+
+/// Rank 0 sends 64 MiB right after a barrier; rank 1 is late by 1 s (computing, or calling
+/// `health()` meanwhile), then receives it. Both must succeed, with the bytes intact.
+fn late_receiver_body() {
+    let (r, _) = rank_size();
+    let len: usize = env_or("RXE_TEST_LEN", "67108864").parse().unwrap();
+    let health = env_or("RXE_TEST_HEALTH", "0") == "1";
+    let c = Comm::from_env().unwrap();
+    c.barrier().unwrap();
+    if r == 0 {
+        let msg: Vec<u8> = (0..len).map(|i| pattern(0, i)).collect();
+        c.send(1, &msg).unwrap();
+    } else {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(1) {
+            if health {
+                c.health().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut got = vec![0u8; len];
+        c.recv(0, &mut got).unwrap();
+        let bad = (0..len).find(|&i| got[i] != pattern(0, i));
+        assert_eq!(bad, None, "first wrong byte");
+    }
+    c.barrier().unwrap();
+    println!("LATE-OK rank {r}");
+}
+
+#[test]
+fn a_late_receiver_is_not_a_mismatch() {
+    const NAME: &str = "a_late_receiver_is_not_a_mismatch";
+    if !parent_ready(NAME, late_receiver_body) {
+        return;
+    }
+    for health in ["0", "1"] {
+        let len = if require_rdma() {
+            "8388608"
+        } else {
+            "67108864"
+        };
+        let out = spawn(
+            NAME,
+            2,
+            Placement::Hosts,
+            &|_| {
+                vec![
+                    ("RDMACOMM_TIMEOUT".into(), "10".into()),
+                    ("RXE_TEST_HEALTH".into(), health.into()),
+                    ("RXE_TEST_LEN".into(), len.into()),
+                ]
+            },
+            Duration::from_secs(60),
+        );
+        assert_all_ok(&out);
+    }
+}
+
+/// Three ranks, timeout 2 s: rank 1 receives from rank 2, which is late by 6 s; rank 0
+/// computes meanwhile. Every rank must be told that rank 2 stopped making progress.
+fn stall_body() {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap();
+    c.barrier().unwrap();
+    let t0 = Instant::now();
+    let late = Duration::from_secs(6);
+    let verdict = match r {
+        0 => {
+            std::thread::sleep(late);
+            c.health().unwrap_err()
+        }
+        1 => {
+            let mut b = vec![0u8; 1024];
+            let e = c.recv(2, &mut b).unwrap_err();
+            assert!(
+                t0.elapsed() < Duration::from_millis(4500),
+                "rank 1 learned it after {:?}",
+                t0.elapsed()
+            );
+            e
+        }
+        _ => {
+            std::thread::sleep(late);
+            c.barrier().unwrap_err()
+        }
+    };
+    let msg = verdict.to_string();
+    println!("rank {r} after {:?}: {msg}", t0.elapsed());
+    assert_eq!(
+        verdict.peer().map(|p| p.rank),
+        Some(2),
+        "rank {r} blames another rank: {msg}"
+    );
+    assert!(msg.contains("stopped making progress"), "{msg}");
+    println!("STALL-NAMED rank {r}");
+}
+
+#[test]
+fn a_stall_between_two_ranks_names_the_late_one() {
+    const NAME: &str = "a_stall_between_two_ranks_names_the_late_one";
+    if !parent_ready(NAME, stall_body) {
+        return;
+    }
+    let out = spawn(
+        NAME,
+        3,
+        Placement::Hosts,
+        &|_| vec![("RDMACOMM_TIMEOUT".into(), "2".into())],
+        Duration::from_secs(40),
+    );
+    assert_all_ok(&out);
+}
+
+/// With every polling mode: rank 1 drops its communicator while rank 0 waits to receive from
+/// it (named as a departure well within the timeout); then, on a fresh group, both ranks wait
+/// to receive from each other (a mismatch, found by the probes well within the timeout).
+fn fast_path_body() {
+    let (r, _) = rank_size();
+    let mode = env_or("RXE_TEST_MODE", "departure");
+    let c = Comm::from_env().unwrap();
+    c.barrier().unwrap();
+    let t = Instant::now();
+    if mode == "departure" {
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(c);
+            return;
+        }
+        let mut b = vec![0u8; 64];
+        let e = c.recv(1, &mut b).unwrap_err();
+        println!("rank 0 after {:?}: {e}", t.elapsed());
+        assert!(e.to_string().contains("closed its communicator"), "{e}");
+        assert_eq!(e.peer().map(|p| p.rank), Some(1), "{e}");
+    } else {
+        let mut b = vec![0u8; 64];
+        let e = c.recv(1 - r, &mut b).unwrap_err();
+        println!("rank {r} after {:?}: {e}", t.elapsed());
+        // The rank that found it gets Mismatch; the other is told of it.
+        assert!(
+            matches!(e, Error::Mismatch { .. }) || e.to_string().contains("mismatched operations"),
+            "{e}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "rank {r}: found after {:?} (timeout 8 s)",
+        t.elapsed()
+    );
+    println!("FAST-OK rank {r}");
+}
+
+#[test]
+fn faults_are_found_fast_with_every_polling_mode() {
+    const NAME: &str = "faults_are_found_fast_with_every_polling_mode";
+    if !parent_ready(NAME, fast_path_body) {
+        return;
+    }
+    for poll in ["spin", "yield", "auto"] {
+        for mode in ["departure", "both_receive"] {
+            let out = spawn(
+                NAME,
+                2,
+                Placement::Hosts,
+                &|_| {
+                    vec![
+                        ("RDMACOMM_TIMEOUT".into(), "8".into()),
+                        ("RDMACOMM_POLL".into(), poll.into()),
+                        ("RXE_TEST_MODE".into(), mode.into()),
+                    ]
+                },
+                Duration::from_secs(30),
+            );
+            assert_all_ok(&out);
+        }
+    }
+}
