@@ -7,8 +7,9 @@ use std::time::Duration;
 
 /// Runs `prog args` as `n` local ranks with torchrun-style variables (`RANK`, `WORLD_SIZE`,
 /// `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), each output line prefixed
-/// with `[rank r]` when `prefix` is set. If any rank fails, the
-/// others are killed. Returns the first failing exit code, or 0.
+/// with `[rank r]` when `prefix` is set. The job gets a fresh identity (`RDMACOMM_JOB_ID`) and
+/// secret (`RDMACOMM_SECRET`) unless they are set, so another job's ranks on the same port are
+/// refused. If any rank fails, the others are killed. Returns the first failing exit code, or 0.
 pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io::Result<i32> {
     let port = match std::env::var("MASTER_PORT") {
         Ok(p) => p,
@@ -18,6 +19,17 @@ pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io
             .to_string(),
     };
     let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.trim().is_empty());
+    let mut identity: Vec<(&str, String)> = Vec::new();
+    if !set("RDMACOMM_JOB_ID") {
+        let id = crate::bootstrap::rendezvous::random::<8>();
+        identity.push(("RDMACOMM_JOB_ID", format!("rdmacomm-run:{}", hex(&id))));
+    }
+    if !set("RDMACOMM_SECRET") && !set("RDMACOMM_SECRET_FILE") {
+        let key = crate::bootstrap::rendezvous::random::<16>();
+        identity.push(("RDMACOMM_SECRET", hex(&key)));
+    }
     let mut children: Vec<Child> = Vec::with_capacity(n);
     let mut pumps = Vec::new();
     for r in 0..n {
@@ -31,6 +43,7 @@ pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io
             .env("MASTER_PORT", &port)
             .env_remove("RDMACOMM_RANK")
             .env_remove("RDMACOMM_WORLD_SIZE")
+            .envs(identity.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

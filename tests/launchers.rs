@@ -286,3 +286,87 @@ fn a_pmix_server_that_never_answers_is_named() {
     );
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
 }
+
+/// rdmacomm-run gives each job a fresh identity and secret (so another job's ranks on the same
+/// port are refused), the same on every rank of a job; and its ranks join with them.
+#[test]
+fn rdmacomm_run_gives_each_job_an_identity_and_a_secret() {
+    const NAME: &str = "rdmacomm_run_gives_each_job_an_identity_and_a_secret";
+    if common::is_child(NAME) {
+        let c = Comm::from_env().unwrap();
+        check(&c, 3);
+        println!("RAN-CHECKED {}", c.rank());
+        return;
+    }
+    if !common::transport_ready() {
+        return;
+    }
+    let run = |prog: &str, args: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rdmacomm-run"));
+        cmd.args(["-n", "2", "--", prog]).args(args);
+        for v in
+            CLEARED
+                .iter()
+                .chain(&["RDMACOMM_JOB_ID", "RDMACOMM_SECRET", "RDMACOMM_SECRET_FILE"])
+        {
+            cmd.env_remove(v);
+        }
+        let out = cmd.env("RDMACOMM_TIMEOUT", "30").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let ids = |text: &str| -> Vec<String> {
+        let mut v: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.split_once("] ").map(|(_, rest)| rest.to_string()))
+            .collect();
+        v.sort();
+        v
+    };
+    let show = ["-c", "echo \"$RDMACOMM_JOB_ID $RDMACOMM_SECRET\""];
+    let (a, b) = (ids(&run("sh", &show)), ids(&run("sh", &show)));
+    assert_eq!(a.len(), 2, "{a:?}");
+    assert_eq!(a[0], a[1], "both ranks of a job share them");
+    let (id, secret) = a[0].split_once(' ').unwrap();
+    assert!(
+        id.starts_with("rdmacomm-run:") && secret.len() >= 32,
+        "{a:?}"
+    );
+    assert_ne!(a[0], b[0], "each job its own");
+    // A real job under it: the ranks meet with that identity and secret.
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd_env = vec![(common::CHILD, NAME)];
+    cmd_env.push(("RDMACOMM_DEBUG", "info"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rdmacomm-run"));
+    cmd.args(["-n", "2", "--"])
+        .arg(&exe)
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .envs(cmd_env)
+        .env("RDMACOMM_TIMEOUT", "30");
+    for v in CLEARED
+        .iter()
+        .chain(&["RDMACOMM_JOB_ID", "RDMACOMM_SECRET"])
+    {
+        cmd.env_remove(v);
+    }
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("RAN-CHECKED 0") && text.contains("RAN-CHECKED 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("job \"rdmacomm-run:") && !text.contains("has no identity"),
+        "{text}"
+    );
+}

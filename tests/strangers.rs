@@ -24,7 +24,19 @@ fn job_body() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    let c = match Comm::from_env() {
+    if let Ok(n) = std::env::var("RXE_TEST_NOFILE") {
+        let n: u64 = n.parse().unwrap();
+        let lim = libc::rlimit {
+            rlim_cur: n,
+            rlim_max: n,
+        };
+        // SAFETY: sets this process's own descriptor limit from a valid struct.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    }
+    let asked = Instant::now();
+    let joined = Comm::from_env();
+    println!("JOIN-TOOK {} ms", asked.elapsed().as_millis());
+    let c = match joined {
         Ok(c) => c,
         Err(e) => {
             println!("RESULT rank {r}: ERROR: {e}");
@@ -177,6 +189,134 @@ fn strangers_are_ignored_and_the_job_completes() {
          ranks of another job",
         t0.elapsed().as_secs_f64()
     );
+}
+
+/// A job launched with no identity and no secret (MPICH/PMI, an MLX hostfile): a rank of another
+/// such job that reaches the same coordinator, with another world size or claiming a rank
+/// already in, is refused and noted, and this job completes; the launch warns once at `info`.
+#[test]
+fn another_anonymous_job_never_ends_this_one() {
+    let name = "another_anonymous_job_never_ends_this_one";
+    if !parent_ready(name, job_body) {
+        return;
+    }
+    let port = free_port();
+    let coord = format!("127.0.0.1:{port}");
+    let gate = std::env::temp_dir().join(format!("rdmacomm-gate-anon-{port}"));
+    let _ = std::fs::remove_file(&gate);
+    let job = |r: usize| {
+        let mut v = vec![
+            ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
+            ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
+            ("RDMACOMM_JOB_ID".to_string(), String::new()),
+            ("RDMACOMM_DEBUG".to_string(), "info".to_string()),
+        ];
+        if r == 2 {
+            v.push(("RXE_TEST_WAIT_FILE".into(), gate.display().to_string()));
+        }
+        v
+    };
+    let other = std::thread::spawn({
+        let (coord, gate) = (coord.clone(), gate.clone());
+        move || {
+            // After this job's rank 1 is in.
+            std::thread::sleep(Duration::from_secs(2));
+            let env = |world: &str| {
+                let (coord, world) = (coord.clone(), world.to_string());
+                move |_r: usize| {
+                    vec![
+                        ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
+                        ("RDMACOMM_TIMEOUT".to_string(), "12".to_string()),
+                        ("RDMACOMM_JOB_ID".to_string(), String::new()),
+                        ("RDMACOMM_RANK".to_string(), "1".to_string()),
+                        ("RDMACOMM_WORLD_SIZE".to_string(), world.clone()),
+                    ]
+                }
+            };
+            let limit = Duration::from_secs(60);
+            let a = spawn(name, 1, Placement::Local, &env("5"), limit);
+            let b = spawn(name, 1, Placement::Local, &env("3"), limit);
+            std::fs::write(&gate, b"go").unwrap();
+            (a, b)
+        }
+    });
+    let res = spawn(name, 3, Placement::Local, &job, Duration::from_secs(60));
+    let (a, b) = other.join().unwrap();
+    let _ = std::fs::remove_file(&gate);
+    assert_all_ok(&res);
+    let rank0 = &res[0].output;
+    assert!(
+        rank0.contains("world size mismatch") && rank0.contains("joined twice"),
+        "both strangers are noted: {rank0}"
+    );
+    assert!(
+        rank0.contains("has no identity"),
+        "the launch warns: {rank0}"
+    );
+    for (x, why) in [(&a[0], "world size mismatch"), (&b[0], "joined twice")] {
+        assert_eq!(x.code, Some(3), "{}", x.output);
+        assert!(x.output.contains(why), "the stranger is told: {}", x.output);
+    }
+}
+
+/// 1100 idle connections held open on rank 0's port before rank 1 comes (with a secret, and
+/// rank 0's descriptor limit at 256): rank 1 still joins at once, the oldest idle ones making
+/// room, and descriptor exhaustion pauses accepting instead of ending the rendezvous.
+#[test]
+fn idle_strangers_never_keep_a_rank_out() {
+    let name = "idle_strangers_never_keep_a_rank_out";
+    if !parent_ready(name, job_body) {
+        return;
+    }
+    // With rank 0's descriptors short (accept fails), and with them plentiful (MAX_PENDING full).
+    for nofile in ["256", ""] {
+        idle_round(name, nofile);
+    }
+}
+
+fn idle_round(name: &'static str, nofile: &'static str) {
+    let port = free_port();
+    let coord = format!("127.0.0.1:{port}");
+    let gate = std::env::temp_dir().join(format!("rdmacomm-gate-idle-{port}"));
+    let _ = std::fs::remove_file(&gate);
+    let gate_s = gate.display().to_string();
+    let job = move |r: usize| {
+        let mut v = vec![
+            ("RDMACOMM_COORDINATOR".to_string(), coord.clone()),
+            ("RDMACOMM_TIMEOUT".to_string(), "20".to_string()),
+            ("RDMACOMM_SECRET".to_string(), "idle-test".to_string()),
+        ];
+        if r == 0 && !nofile.is_empty() {
+            v.push(("RXE_TEST_NOFILE".into(), nofile.into()));
+        } else if r > 0 {
+            v.push(("RXE_TEST_WAIT_FILE".into(), gate_s.clone()));
+        }
+        v
+    };
+    let ranks =
+        std::thread::spawn(move || spawn(name, 2, Placement::Local, &job, Duration::from_secs(60)));
+    let first = reach(port);
+    let addr = first.peer_addr().unwrap();
+    let mut idle = vec![first];
+    let t0 = Instant::now();
+    while idle.len() < 1100 && t0.elapsed() < Duration::from_secs(20) {
+        if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            idle.push(s);
+        }
+    }
+    println!("{} idle connections held", idle.len());
+    std::fs::write(&gate, b"go").unwrap();
+    let res = ranks.join().unwrap();
+    drop(idle);
+    let _ = std::fs::remove_file(&gate);
+    assert_all_ok(&res);
+    let took: u64 = tagged(&res[1].output, "JOIN-TOOK ")[0]
+        .trim_start_matches("JOIN-TOOK ")
+        .trim_end_matches(" ms")
+        .parse()
+        .unwrap();
+    println!("rank 1 joined in {took} ms beside them");
+    assert!(took < 3000, "rank 1 took {took} ms to join");
 }
 
 #[test]
@@ -616,8 +756,9 @@ fn a_restarted_rank_takes_its_place() {
     let first = std::thread::spawn({
         let coord = coord.clone();
         move || {
-            let mut c = Config::new(1, 3, coord).unwrap();
+            let mut c = Config::new(1, 3, coord.clone()).unwrap();
             c.timeout = Duration::from_secs(3);
+            c.job_id = job_id(&coord);
             let t0 = Instant::now();
             let r = rdmacomm::unstable::rendezvous::rendezvous(
                 &c,

@@ -40,8 +40,14 @@ const CARD: u8 = 11;
 pub const KEY: usize = 32;
 /// Longest a connection may take to send its HELLO.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
-/// Connections served at once; more wait in the listen queue.
+/// Unauthenticated connections held at once; past it, the oldest is closed for the newest.
 const MAX_PENDING: usize = 1024;
+/// The most bytes a HELLO may have where the job has a secret (the card comes after rank 0's
+/// proof): fixed, whatever the world size.
+const HELLO_BYTES: usize = 64 << 10;
+/// The most bytes buffered for all unauthenticated connections together; past it, the oldest
+/// are closed.
+const PENDING_BYTES: usize = 64 << 20;
 
 /// What a transport brings to the rendezvous: bytes for every peer (`common`) and, for each peer
 /// in rank order, `entry` bytes meant for it alone (`each`, `n * entry` bytes).
@@ -57,10 +63,13 @@ pub struct Card {
 
 impl Card {
     /// What rank `to` receives of this card: the common bytes, then its entry.
-    pub fn for_rank(&self, to: usize) -> Vec<u8> {
+    /// `None` where the card has no entry for `to` (a malformed card from a peer).
+    pub fn for_rank(&self, to: usize) -> Option<Vec<u8>> {
+        let start = to.checked_mul(self.entry)?;
+        let entry = self.each.get(start..start.checked_add(self.entry)?)?;
         let mut v = self.common.clone();
-        v.extend_from_slice(&self.each[to * self.entry..(to + 1) * self.entry]);
-        v
+        v.extend_from_slice(entry);
+        Some(v)
     }
 }
 
@@ -140,11 +149,31 @@ pub fn rendezvous_on(
     listener: Option<TcpListener>,
 ) -> Result<Rendezvous> {
     let deadline = Instant::now() + cfg.timeout;
+    if !proven(cfg) {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            log::info!(
+                "this job has no identity (RDMACOMM_JOB_ID, or a launcher's job id) and no \
+                 secret (RDMACOMM_SECRET): a rank of another job that reaches {} is refused only \
+                 where its call differs, and one that claims a free rank first takes its place; \
+                 set either for a shared cluster (rdmacomm-run sets both)",
+                cfg.coordinator
+            )
+        });
+    }
     if cfg.rank == 0 {
         coordinate(cfg, card, deadline, listener, None)
     } else {
         join(cfg, card, deadline, None)
     }
+}
+
+/// Whether a joiner that passes rank 0's checks is known to be of this job: the job has an
+/// identity, or a secret the joiner proved. Only such a joiner's conflict (another world size,
+/// a rank taken twice, other settings) ends the rendezvous; otherwise it may be another job's
+/// rank, which is refused and noted, never fatal.
+fn proven(cfg: &Config) -> bool {
+    !cfg.job_id.is_empty() || cfg.secret.is_some()
 }
 
 /// Joins the rendezvous only to tell the group that this rank's configuration is bad (`why`),
@@ -367,9 +396,27 @@ impl Strays {
     }
 }
 
-/// The most bytes a HELLO of a world of `n` may have.
-fn hello_limit(n: usize) -> usize {
-    (64 << 10) + n.saturating_mul(256)
+/// The most bytes a card of a world of `n` may have (and a HELLO that carries one, without a
+/// secret).
+fn card_limit(n: usize) -> usize {
+    HELLO_BYTES + n.saturating_mul(256)
+}
+
+/// Closes the oldest unauthenticated connection (to make room for a newer one), noting why.
+fn evict_oldest(pending: &mut Vec<Pending>, strays: &mut Strays, why: &str) {
+    if let Some(i) = (0..pending.len()).min_by_key(|&i| pending[i].until) {
+        let p = pending.swap_remove(i);
+        strays.note(p.from, why);
+    }
+}
+
+/// Whether `accept` failed for want of a descriptor or of kernel memory (then accepting pauses
+/// instead of ending the rendezvous).
+fn out_of_descriptors(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    ) || e.kind() == ErrorKind::ConnectionAborted
 }
 
 /// Whether the other end of `s` has closed it (a restarted rank's old connection).
@@ -468,11 +515,21 @@ fn coordinate(
             return Err(Error::Bootstrap(reason));
         }
         let mut busy = false;
-        // New connections: greeted with a challenge, then served as their bytes come.
-        while pending.len() < MAX_PENDING {
+        // New connections: greeted with a challenge, then served as their bytes come; when
+        // MAX_PENDING are held, the oldest makes room (idle strangers cannot keep a rank out).
+        let mut accepted = 0;
+        while accepted < MAX_PENDING {
             match listener.accept() {
                 Ok((s, from)) => {
                     busy = true;
+                    accepted += 1;
+                    if pending.len() >= MAX_PENDING {
+                        evict_oldest(
+                            &mut pending,
+                            &mut strays,
+                            "closed unauthenticated: oldest of too many",
+                        );
+                    }
                     let nonce = random::<KEY>();
                     let _ = s.set_nodelay(true);
                     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
@@ -493,16 +550,37 @@ fn coordinate(
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if out_of_descriptors(&e) => {
+                    // Pause: the oldest unauthenticated connection gives its descriptor back.
+                    static SAID: crate::diag::Repeated = crate::diag::Repeated::new();
+                    if let Some(before) = SAID.allow() {
+                        log::warn!(
+                            "accept on {sa}: {e}; closing the oldest unauthenticated \
+                             connection and pausing ({before} times before)"
+                        );
+                    }
+                    evict_oldest(
+                        &mut pending,
+                        &mut strays,
+                        "closed unauthenticated: no descriptor left",
+                    );
+                    break;
+                }
                 Err(e) => return Err(Error::Bootstrap(format!("accept on {sa}: {e}"))),
             }
         }
+        let hello_limit = if secret.is_some() {
+            HELLO_BYTES
+        } else {
+            card_limit(n)
+        };
         // Read what each has sent; a whole HELLO is judged at once.
         let mut i = 0;
         while i < pending.len() {
             let p = &mut pending[i];
-            let (moved, mut gone) = read_some(&mut p.sock, &mut p.buf, hello_limit(n));
+            let (moved, mut gone) = read_some(&mut p.sock, &mut p.buf, hello_limit);
             busy |= moved;
-            let whole = match whole_frame(&p.buf, hello_limit(n)) {
+            let whole = match whole_frame(&p.buf, hello_limit) {
                 Ok(w) => w,
                 Err(why) => {
                     gone = gone.or(Some(why));
@@ -530,6 +608,13 @@ fn coordinate(
                 &mut told,
             )?;
         }
+        while pending.iter().map(|p| p.buf.capacity()).sum::<usize>() > PENDING_BYTES {
+            evict_oldest(
+                &mut pending,
+                &mut strays,
+                "closed unauthenticated: too many bytes held",
+            );
+        }
         // With a secret, the cards of ranks that took rank 0's proof.
         if let Some(k) = secret {
             for (r, slot) in joined.iter_mut().enumerate() {
@@ -540,10 +625,10 @@ fn coordinate(
                     continue;
                 };
                 let _ = j.sock.set_nonblocking(true);
-                let (moved, mut gone) = read_some(&mut j.sock, buf, hello_limit(n));
+                let (moved, mut gone) = read_some(&mut j.sock, buf, card_limit(n));
                 busy |= moved;
                 let mut card = None;
-                match whole_frame(buf, hello_limit(n)) {
+                match whole_frame(buf, card_limit(n)) {
                     Ok(true) => {
                         let frame = &buf[5..];
                         card = (buf[4] == CARD && frame.len() >= KEY)
@@ -586,7 +671,13 @@ fn coordinate(
         addrs.push(j.hello.addr);
         socks.push((j.sock, j.hello.nonce));
     }
-    let cards: Vec<Vec<u8>> = full.iter().map(|c| c.for_rank(0)).collect();
+    // Every card was checked for n entries (decode_card; ours is the transport's own).
+    let no_entry = |q: usize, r: usize| {
+        Error::Bootstrap(format!("rank {q}'s card has no entry for rank {r}"))
+    };
+    let cards: Vec<Vec<u8>> = (0..n)
+        .map(|q| full[q].for_rank(0).ok_or_else(|| no_entry(q, 0)))
+        .collect::<Result<_>>()?;
     let mut streams: Vec<Option<TcpStream>> = vec![None];
     for (i, (mut sock, nonce)) in socks.into_iter().enumerate() {
         let r = i + 1;
@@ -594,7 +685,8 @@ fn coordinate(
         table.extend_from_slice(&session);
         for q in 0..n {
             put_bytes(&mut table, addrs[q].as_bytes());
-            put_bytes(&mut table, &full[q].for_rank(r));
+            let entry = full[q].for_rank(r).ok_or_else(|| no_entry(q, r))?;
+            put_bytes(&mut table, &entry);
         }
         let tag = secret.map_or([0; KEY], |k| mac(k, &[&nonce, &table]));
         table.extend_from_slice(&tag);
@@ -726,6 +818,15 @@ fn judge(
     } else {
         None
     };
+    if let Some(reason) = problem.as_ref().filter(|_| !proven(cfg)) {
+        // Perhaps not this job's rank at all: it is told why, and the job waits on.
+        refuse(&mut p.sock, reason);
+        strays.note(
+            p.from,
+            &format!("{reason} (this job has no identity: ignored)"),
+        );
+        return Ok(());
+    }
     if let Some(reason) = problem {
         refuse(&mut p.sock, &reason);
         for (r, j) in joined.iter_mut().enumerate() {
@@ -951,7 +1052,8 @@ mod tests {
         let h = decode_hello(&b).expect("a hello");
         assert_eq!((h.version, h.rank, h.size), (VERSION, 3, 5));
         assert_eq!(h.job, "job-7");
-        assert_eq!(h.card.for_rank(4), vec![1, 2, 3, 8, 9]);
+        assert_eq!(h.card.for_rank(4), Some(vec![1, 2, 3, 8, 9]));
+        assert_eq!(h.card.for_rank(5), None, "past the entries");
         assert_eq!(h.nonce, [9; KEY]);
         for cut in [0, 3, 4, 10, b.len() - 1] {
             assert!(decode_hello(&b[..cut]).is_none(), "cut at {cut}");

@@ -138,16 +138,7 @@ impl Comm {
             v.extend_from_slice(&c.each);
             v
         };
-        let unflatten = |b: &[u8]| -> Result<Card> {
-            let mut r = crate::bootstrap::Reader(b);
-            let common = r.bytes()?.to_vec();
-            let entry = r.u32()? as usize;
-            Ok(Card {
-                common,
-                entry,
-                each: r.0.to_vec(),
-            })
-        };
+
         if !grouped {
             exchange(&flatten(&Card::default()))?;
             let cfg = Config {
@@ -162,7 +153,8 @@ impl Comm {
         let link = transport::connect_with(&sub_cfg, kind, &mut |card| {
             let cards = exchange(&flatten(card))?
                 .iter()
-                .map(|b| unflatten(b).map(|c| c.for_rank(sub_rank)))
+                .zip(&members)
+                .map(|(b, &q)| entry_of(b, members.len(), sub_rank, q))
                 .collect::<Result<Vec<_>>>()?;
             let mut rv = crate::bootstrap::rendezvous::rendezvous_on(
                 &meet_cfg,
@@ -191,5 +183,55 @@ impl Comm {
                 .filter(|&&q| hosts.get(q) == Some(&mine))
                 .count(),
         )
+    }
+}
+
+/// What member `sub_rank` of a subgroup of `n` takes of the flattened card `b` that parent rank
+/// `from` sent: its common part and its entry, once the card's geometry checks out (an error
+/// naming the sender otherwise, never a panic).
+fn entry_of(b: &[u8], n: usize, sub_rank: usize, from: usize) -> Result<Vec<u8>> {
+    let bad = |why: &str| Error::PeerFailed {
+        peer: crate::Peer {
+            rank: from,
+            addr: String::new(),
+        },
+        reason: format!("rank {from} sent a malformed card for the split: {why}"),
+    };
+    let mut r = crate::bootstrap::Reader(b);
+    let common = r.bytes().map_err(|_| bad("truncated"))?.to_vec();
+    let entry = r.u32().map_err(|_| bad("truncated"))? as usize;
+    if entry.checked_mul(n) != Some(r.0.len()) {
+        return Err(bad(&format!(
+            "{} bytes of entries, not {n} of {entry}",
+            r.0.len()
+        )));
+    }
+    let card = Card {
+        common,
+        entry,
+        each: r.0.to_vec(),
+    };
+    card.for_rank(sub_rank).ok_or_else(|| bad("no entry for this rank"))
+}
+
+#[cfg(test)]
+mod card_tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_card_is_an_error_naming_its_sender() {
+        let mut b = 2u32.to_le_bytes().to_vec();
+        b.extend_from_slice(&[7, 7]);
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&[1, 2, 3, 4, 5, 6]);
+        assert_eq!(entry_of(&b, 2, 1, 5).unwrap(), vec![7, 7, 4, 5, 6]);
+        for (n, sub) in [(3, 0), (1, 0), (2, 2)] {
+            let e = entry_of(&b, n, sub, 5).unwrap_err().to_string();
+            assert!(e.contains("rank 5 sent a malformed card"), "{n} {sub}: {e}");
+        }
+        let mut huge = 0u32.to_le_bytes().to_vec();
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(entry_of(&huge, usize::MAX, 0, 1).is_err());
+        assert!(entry_of(&[1], 2, 0, 1).is_err());
     }
 }

@@ -193,7 +193,15 @@ pub fn spawn(
         {
             c.env("RDMACOMM_HOST_ID", format!("test-host-{h}"));
         }
-        for (k, v) in env(r) {
+        // A job with an identity, as rdmacomm-run and the common launchers give theirs (one per
+        // coordinator: ranks of one job share it); a test's own RDMACOMM_JOB_ID ("": none) wins.
+        let vars = env(r);
+        let coord = vars
+            .iter()
+            .find(|(k, _)| k == "RDMACOMM_COORDINATOR")
+            .map_or_else(|| format!("{coord_ip}:{port}"), |(_, v)| v.clone());
+        c.env("RDMACOMM_JOB_ID", job_id(&coord));
+        for (k, v) in vars {
             // A device list replaces the device the harness names.
             if k == "RDMACOMM_IB_HCA" {
                 c.env_remove("RDMACOMM_IB_DEVICE");
@@ -239,6 +247,11 @@ pub fn spawn(
             }
         })
         .collect()
+}
+
+/// The identity [`spawn`] gives the job that meets at `coordinator`.
+pub fn job_id(coordinator: &str) -> String {
+    format!("test:{coordinator}")
 }
 
 /// Spawns `n` ranks of test `name` on the default device with `env` (besides a 60 s timeout)
