@@ -50,7 +50,7 @@ impl<S> Serial<S> {
                 )));
             }
         };
-        self.comm.claim();
+        self.comm.claim(what)?;
         f(&self.comm, &mut state)
     }
 }

@@ -648,6 +648,115 @@ fn thousands_of_changed_calls_between_threads() {
     in_process(3, 1000);
 }
 
+/// A correct program with delays, as rank `me` of `n` runs sequence `seed`: its operations
+/// (one in four a send of 1-4 MiB, more than a transport's buffers hold) and, per operation,
+/// how long each rank computes before calling it: mostly nothing or a few milliseconds, and in
+/// one sequence in eight a rank (rank 0 in half of them) late by 110-220 ms, past the probes'
+/// 100 ms.
+fn delayed_sequence(seed: u64, n: usize) -> Vec<(Op, Vec<Duration>)> {
+    let mut g = Rng(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
+    let len = 1 + g.below(6);
+    let mut ops: Vec<(Op, Vec<Duration>)> = (0..len)
+        .map(|_| {
+            let op = if g.below(4) == 0 {
+                let from = g.below(n as u64);
+                let to = (from + 1 + g.below(n as u64 - 1)) % n;
+                Op::Pair(from, to, (1 << 20) + g.below(3 << 20))
+            } else {
+                an_op(&mut g, n)
+            };
+            let late = (0..n)
+                .map(|_| match g.below(10) {
+                    0..=6 => Duration::ZERO,
+                    _ => Duration::from_micros(g.below(5000) as u64),
+                })
+                .collect();
+            (op, late)
+        })
+        .collect();
+    if g.below(8) == 0 {
+        let k = g.below(len as u64);
+        let who = if g.below(2) == 0 {
+            0
+        } else {
+            g.below(n as u64)
+        };
+        ops[k].1[who] = Duration::from_millis(110 + g.below(111) as u64);
+    }
+    ops
+}
+
+/// Runs correct sequences `first..first + count` with their delays on dups of `world`: every
+/// operation must return the reference result; no error is allowed.
+fn run_delayed(world: &Comm, first: u64, count: u64) -> Tally {
+    let (r, n) = (world.rank(), world.size());
+    let mut tally = Tally::default();
+    for seed in first..first + count {
+        let ops = delayed_sequence(seed, n);
+        let c = world
+            .dup()
+            .unwrap_or_else(|e| panic!("rank {r}: seed {seed}: dup: {e}"));
+        let t = Instant::now();
+        for (k, (op, late)) in ops.iter().enumerate() {
+            std::thread::sleep(late[r]);
+            match run_op(&c, seed, k, op) {
+                Ok(None) => {}
+                Ok(Some(what)) => panic!("rank {r}: seed {seed}: operation {k} {op:?}: {what}"),
+                Err(e) => panic!(
+                    "rank {r}: seed {seed}: a correct program failed at operation {k} {op:?} \
+                     (delays {:?}): {e}",
+                    ops.iter().map(|o| &o.1).collect::<Vec<_>>()
+                ),
+            }
+        }
+        c.barrier()
+            .unwrap_or_else(|e| panic!("rank {r}: seed {seed}: closing barrier: {e}"));
+        let took = t.elapsed();
+        assert!(took < DEADLINE, "rank {r}: seed {seed}: took {took:?}");
+        tally.sequences += 1;
+        tally.controls += 1;
+    }
+    tally
+}
+
+/// Thread-ranks running `count` delayed correct sequences (see [`in_process`]).
+fn delayed_in_process(n: usize, count: u64) {
+    let port = free_port();
+    let tallies: Vec<Tally> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|r| {
+                s.spawn(move || {
+                    let mut cfg = rdmacomm::Config::new(r, n, format!("127.0.0.1:{port}"))
+                        .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                    cfg.timeout = TIMEOUT;
+                    let world = Comm::new(&cfg).unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                    let (first, count) = match std::env::var("MISMATCH_SEED") {
+                        Ok(s) => (s.parse().expect("a seed"), 1),
+                        Err(_) => (5_000_000 + 1000 * n as u64, count),
+                    };
+                    run_delayed(&world, first, count)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    println!(
+        "RESULT in-process, {n} ranks: {} correct sequences with late ranks and large sends, \
+         none failed",
+        tallies[0].sequences
+    );
+}
+
+#[test]
+fn thousands_of_correct_programs_with_late_ranks() {
+    if require_rdma() {
+        println!("SKIPPED: the VM runs the process tier");
+        return;
+    }
+    delayed_in_process(2, 1000);
+    delayed_in_process(3, 1000);
+}
+
 fn processes_body() {
     let (r, n) = rank_size();
     let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
@@ -658,6 +767,15 @@ fn processes_body() {
     let t = run_sequences(&c, 7_000_000 + 1000 * n as u64, count);
     if r == 0 {
         report("processes", n, &t);
+    }
+    // Correct programs with late ranks and large sends, over the transport under test.
+    let t = run_delayed(&c, 8_000_000 + 1000 * n as u64, count / 2);
+    if r == 0 {
+        println!(
+            "RESULT processes, {n} ranks: {} correct sequences with late ranks and large sends, \
+             none failed",
+            t.sequences
+        );
     }
 }
 

@@ -74,14 +74,16 @@ fn a_late_receiver_is_not_a_mismatch() {
     }
 }
 
-/// Three ranks, timeout 2 s: rank 1 receives from rank 2, which is late by 6 s; rank 0
-/// computes meanwhile. Every rank must be told that rank 2 stopped making progress.
+/// Three ranks, timeout T (2 s; 6 s in the emulated VM, where a rank may take seconds to
+/// start): rank 1 receives from rank 2, which is late by 3 T; rank 0 computes meanwhile. Every
+/// rank must be told that rank 2 stopped making progress, rank 1 within T + 2.5 s.
 fn stall_body() {
     let (r, _) = rank_size();
+    let timeout: u64 = env_or("RDMACOMM_TIMEOUT", "2").parse().unwrap();
     let c = Comm::from_env().unwrap();
     c.barrier().unwrap();
     let t0 = Instant::now();
-    let late = Duration::from_secs(6);
+    let late = Duration::from_secs(3 * timeout);
     let verdict = match r {
         0 => {
             std::thread::sleep(late);
@@ -91,7 +93,7 @@ fn stall_body() {
             let mut b = vec![0u8; 1024];
             let e = c.recv(2, &mut b).unwrap_err();
             assert!(
-                t0.elapsed() < Duration::from_millis(4500),
+                t0.elapsed() < Duration::from_millis(timeout * 1000 + 2500),
                 "rank 1 learned it after {:?}",
                 t0.elapsed()
             );
@@ -123,8 +125,11 @@ fn a_stall_between_two_ranks_names_the_late_one() {
         NAME,
         3,
         Placement::Hosts,
-        &|_| vec![("RDMACOMM_TIMEOUT".into(), "2".into())],
-        Duration::from_secs(40),
+        &|_| {
+            let t = if require_rdma() { "6" } else { "2" };
+            vec![("RDMACOMM_TIMEOUT".into(), t.into())]
+        },
+        Duration::from_secs(60),
     );
     assert_all_ok(&out);
 }
@@ -190,5 +195,77 @@ fn faults_are_found_fast_with_every_polling_mode() {
             );
             assert_all_ok(&out);
         }
+    }
+}
+
+/// A set-up failure after the rendezvous is told to every rank: over shared memory, rank 2
+/// runs as another user (with the same host id), so it cannot open its peers' segments. Every
+/// rank must fail at once naming rank 2's cause, not a closed connection or rank 0.
+fn setup_body() {
+    let (r, _) = rank_size();
+    if r == 2 && std::env::var("RXE_TEST_AS_NOBODY").is_ok() {
+        // Re-run this very rank as nobody (root may open any process's files; nobody may not).
+        let me = std::env::current_exe().unwrap();
+        let st = std::process::Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(me)
+            .args(std::env::args().skip(1))
+            .env_remove("RXE_TEST_AS_NOBODY")
+            .status()
+            .unwrap();
+        std::process::exit(st.code().unwrap_or(9));
+    }
+    let t = Instant::now();
+    let e = match Comm::from_env() {
+        Ok(_) => panic!("rank {r}: the group formed"),
+        Err(e) => e,
+    };
+    let msg = e.to_string();
+    println!("rank {r} after {:?}: {msg}", t.elapsed());
+    // Rank 2 has its own cause; the others are told it, naming rank 2.
+    let told = r == 2 || msg.contains("rank 2 could not set up its transport");
+    assert!(
+        told && msg.contains("cannot open its shared memory"),
+        "rank {r}: {msg}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "rank {r}: {:?}",
+        t.elapsed()
+    );
+    println!("SETUP-TOLD rank {r}");
+}
+
+#[test]
+fn a_set_up_failure_is_told_to_every_rank() {
+    const NAME: &str = "a_set_up_failure_is_told_to_every_rank";
+    if !parent_ready(NAME, setup_body) {
+        return;
+    }
+    let shm = std::env::var("RDMACOMM_TRANSPORT").is_ok_and(|t| t == "shm");
+    // SAFETY: getuid has no preconditions.
+    if !shm || require_rdma() || unsafe { libc::getuid() } != 0 {
+        println!("SKIPPED: needs RDMACOMM_TRANSPORT=shm and root (to run one rank as nobody)");
+        return;
+    }
+    let out = spawn(
+        NAME,
+        3,
+        Placement::Local,
+        &|r| {
+            let mut v = vec![
+                ("RDMACOMM_TIMEOUT".into(), "20".into()),
+                ("RDMACOMM_HOST_ID".into(), "one-host".into()),
+            ];
+            if r == 2 {
+                v.push(("RXE_TEST_AS_NOBODY".into(), "1".into()));
+            }
+            v
+        },
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&out);
+    for x in &out {
+        assert!(x.output.contains("SETUP-TOLD"), "{}", x.output);
     }
 }

@@ -300,7 +300,7 @@ fn relay(
             if to != 0 {
                 if let Some((_, w)) = conns.get_mut(to).and_then(Option::as_mut) {
                     let _g = sh.write_lock.lock().unwrap_or_else(|e| e.into_inner());
-                    let _ = send_frame(w, PROBE, &body);
+                    let _ = send_frame_nb(w, PROBE, &body);
                 }
                 return;
             }
@@ -321,7 +321,7 @@ fn send_all(
     let _g = sh.write_lock.lock().unwrap_or_else(|e| e.into_inner());
     for (q, c) in conns.iter_mut().enumerate() {
         if let Some((_, w)) = c.as_mut().filter(|_| Some(q) != except) {
-            let _ = send_frame(w, kind, body);
+            let _ = send_frame_nb(w, kind, body);
         }
     }
 }

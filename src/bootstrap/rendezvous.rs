@@ -672,9 +672,8 @@ fn coordinate(
         socks.push((j.sock, j.hello.nonce));
     }
     // Every card was checked for n entries (decode_card; ours is the transport's own).
-    let no_entry = |q: usize, r: usize| {
-        Error::Bootstrap(format!("rank {q}'s card has no entry for rank {r}"))
-    };
+    let no_entry =
+        |q: usize, r: usize| Error::Bootstrap(format!("rank {q}'s card has no entry for rank {r}"));
     let cards: Vec<Vec<u8>> = (0..n)
         .map(|q| full[q].for_rank(0).ok_or_else(|| no_entry(q, 0)))
         .collect::<Result<_>>()?;

@@ -2,7 +2,7 @@
 //! stall reports (rank 0 judges whom the waits lead to) and goodbyes.
 
 use super::relay::{Event, Relay, Shared};
-use super::stalls::{verdict, STALL_WINDOW};
+use super::stalls::{verdict, STALL_VERDICT, STALL_WINDOW};
 use super::wire::*;
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read};
@@ -67,40 +67,17 @@ impl SideChannel {
         }
     }
 
-    /// Every rank waits until every rank has called this (over TCP, through rank 0).
+    /// Every rank waits until every rank has called this (over TCP, through rank 0). An abort
+    /// that arrives meanwhile (a rank that could not set up) is recorded and, on rank 0, passed
+    /// on to every rank, so each names the rank and cause it names.
     pub fn barrier(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         if self.rank == 0 {
             for r in 1..self.streams.len() {
-                let peer = self.peer(r);
-                let s = self.streams[r].as_mut().expect("rank 0 holds every stream");
-                match recv_frame(s, deadline) {
-                    Ok((READY, _)) => {}
-                    Ok((ABORT, why)) => {
-                        return Err(Error::PeerFailed {
-                            peer,
-                            reason: String::from_utf8_lossy(&why).into(),
-                        })
-                    }
-                    Ok((k, _)) => {
-                        return Err(Error::PeerFailed {
-                            peer,
-                            reason: format!("unexpected message {k}"),
-                        })
-                    }
-                    Err(e) if e.kind() == ErrorKind::TimedOut => {
-                        return Err(Error::Timeout {
-                            peer,
-                            what: "barrier".into(),
-                            after: self.timeout,
-                        })
-                    }
-                    Err(e) => {
-                        return Err(Error::PeerFailed {
-                            peer,
-                            reason: format!("side channel: {e}"),
-                        })
-                    }
+                if let Err((failed, why)) = self.await_frame(r, READY, deadline) {
+                    self.record_failure(failed, why.clone());
+                    self.abort(failed, &why);
+                    return Err(self.barrier_error(failed, why));
                 }
             }
             for r in 1..self.streams.len() {
@@ -119,27 +96,75 @@ impl SideChannel {
                 peer: peer.clone(),
                 reason: format!("side channel: {e}"),
             })?;
-            match recv_frame(s, deadline) {
-                Ok((GO, _)) => Ok(()),
-                Ok((ABORT, why)) => Err(Error::PeerFailed {
-                    peer,
-                    reason: String::from_utf8_lossy(&why).into(),
-                }),
-                Ok((k, _)) => Err(Error::PeerFailed {
-                    peer,
-                    reason: format!("unexpected message {k}"),
-                }),
-                Err(e) if e.kind() == ErrorKind::TimedOut => Err(Error::Timeout {
-                    peer,
-                    what: "barrier".into(),
-                    after: self.timeout,
-                }),
-                Err(e) => Err(Error::PeerFailed {
-                    peer,
-                    reason: format!("side channel: {e}"),
-                }),
+            match self.await_frame(0, GO, deadline) {
+                Ok(()) => Ok(()),
+                Err((failed, why)) => {
+                    self.record_failure(failed, why.clone());
+                    Err(self.barrier_error(failed, why))
+                }
             }
         }
+    }
+
+    /// Reads frames from rank `r` (blocking) until one of kind `want`: or the rank to blame and
+    /// why (an abort's own, a time-out, a connection that ended).
+    fn await_frame(
+        &mut self,
+        r: usize,
+        want: u8,
+        deadline: Instant,
+    ) -> std::result::Result<(), (usize, String)> {
+        let n = self.streams.len();
+        let Some(s) = self.streams[r].as_mut() else {
+            return Err((r, "its side channel had closed".into()));
+        };
+        match recv_frame(s, deadline) {
+            Ok((k, _)) if k == want => Ok(()),
+            Ok((ABORT, body)) => Err(parse_abort(&body, r, n)),
+            Ok((k, _)) => Err((
+                r,
+                format!("unexpected side-channel message {k} at a barrier"),
+            )),
+            Err(e) if e.kind() == ErrorKind::TimedOut => Err((
+                r,
+                format!(
+                    "{STALL_VERDICT}: did not reach the set-up barrier within {:?}",
+                    self.timeout
+                ),
+            )),
+            Err(e) => Err((r, format!("side channel: {e} (during set-up)"))),
+        }
+    }
+
+    /// A barrier's failure as an error naming `failed`.
+    fn barrier_error(&self, failed: usize, why: String) -> Error {
+        match why.strip_prefix(STALL_VERDICT) {
+            Some(_) => Error::Timeout {
+                peer: self.peer(failed),
+                what: why,
+                after: self.timeout,
+            },
+            None => Error::PeerFailed {
+                peer: self.peer(failed),
+                reason: why,
+            },
+        }
+    }
+
+    /// A set-up step's result, told to the group when it failed here (a queue pair that cannot
+    /// connect, a segment that cannot be mapped, a data connection): the others then name the
+    /// rank to blame (the one the error names, or this one) and the cause, instead of a
+    /// connection that closed. Nothing is told if a failure was already learned.
+    pub fn told<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if self.failure.is_none() {
+                let blamed = e.peer().map_or(self.rank, |p| p.rank);
+                let why = format!("rank {} could not set up its transport: {e}", self.rank);
+                self.record_failure(blamed, why.clone());
+                self.abort(blamed, &why);
+            }
+        }
+        r
     }
 
     /// Switches to non-blocking mode (after the connect barrier) with TCP keepalive, so a
@@ -166,8 +191,8 @@ impl SideChannel {
             .write_lock
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = self.streams.get_mut(r).and_then(Option::as_mut) {
-            let _ = send_frame(s, kind, body);
+        if let Some(s) = self.streams.get(r).and_then(Option::as_ref) {
+            let _ = send_frame_nb(s, kind, body);
         }
     }
 
@@ -279,10 +304,7 @@ impl SideChannel {
         let relays = self.rank == 0 && self.relay.is_none();
         match kind {
             ABORT => {
-                let mut rd = Reader(&body);
-                let failed = rd.u32().unwrap_or(r as u32) as usize;
-                let why = rd.string().unwrap_or_default();
-                let failed = if failed < self.addrs.len() { failed } else { r };
+                let (failed, why) = parse_abort(&body, r, self.addrs.len());
                 self.record_failure(failed, why.clone());
                 if relays {
                     self.abort(failed, &why);
@@ -511,6 +533,14 @@ impl SideChannel {
     pub fn waiting(&self) -> Option<usize> {
         self.waiting
     }
+}
+
+/// An abort's body: the rank that failed (`from` where it names none of the `n`) and why.
+fn parse_abort(body: &[u8], from: usize, n: usize) -> (usize, String) {
+    let mut rd = Reader(body);
+    let failed = rd.u32().map_or(from, |f| f as usize);
+    let why = rd.string().unwrap_or_default();
+    (if failed < n { failed } else { from }, why)
 }
 
 impl Drop for SideChannel {

@@ -105,6 +105,46 @@ pub(crate) fn send_frame_by(
     Ok(())
 }
 
+/// How long a side-channel frame may wait for room in a non-blocking socket.
+pub(super) const FRAME_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// One frame on a non-blocking socket, whole or not at all: waits for room (a peer that does
+/// not read fills the socket) up to [`FRAME_WITHIN`]; a frame still half-written then shuts the
+/// connection down, so the reader sees it end instead of a stream gone out of step.
+pub(crate) fn send_frame_nb(s: &TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
+    let mut f = Vec::with_capacity(body.len() + 5);
+    f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(body);
+    let deadline = Instant::now() + FRAME_WITHIN;
+    let mut w = s;
+    let mut at = 0;
+    while at < f.len() {
+        match w.write(&f[at..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(k) => at += k,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    if at > 0 {
+                        let _ = s.shutdown(std::net::Shutdown::Both);
+                    }
+                    return Err(std::io::Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "the peer read nothing for {FRAME_WITHIN:?} ({at} of {} bytes written)",
+                            f.len()
+                        ),
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {
     let mut read_exact = |buf: &mut [u8]| -> std::io::Result<()> {
         let mut got = 0;
@@ -191,6 +231,37 @@ pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u3
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_is_whole_or_the_connection_ends() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut r, _) = l.accept().unwrap();
+        w.set_nonblocking(true).unwrap();
+        // The reader reads nothing until the writer gives up: the socket fills mid-frame.
+        let body: Vec<u8> = (0..9999u32).map(|i| i as u8).collect();
+        let mut sent = 0;
+        while send_frame_nb(&w, PROBE, &body).is_ok() {
+            sent += 1;
+            assert!(sent < 100_000, "never filled");
+        }
+        let mut got = 0;
+        let far = Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match recv_frame(&mut r, far) {
+                Ok((k, b)) => {
+                    assert_eq!((k, b.len()), (PROBE, body.len()), "frame {got} out of step");
+                    assert_eq!(b, body);
+                    got += 1;
+                }
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::UnexpectedEof, "{e}");
+                    break;
+                }
+            }
+        }
+        assert_eq!(got, sent, "every whole frame arrives, then the end");
+    }
 
     #[test]
     fn a_rank_on_another_transport_is_named() {

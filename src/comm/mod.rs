@@ -89,6 +89,10 @@ pub struct Comm {
     /// The open [`Comm::overlap`] scope (null: none), for blocking calls to run the operations
     /// started before them first.
     pub(crate) scope: AtomicPtr<ScopeHook>,
+    /// Held by an open [`Comm::overlap`] scope for its whole life: an adapter's claim of
+    /// ownership from another thread is refused meanwhile (the scope's queue lives on its
+    /// owner's stack).
+    pub(crate) scope_held: Mutex<()>,
     /// When they may move (always, or only inside the caller's calls).
     pub(crate) gate: Arc<crate::collectives::gate::Gate>,
     algo: Mutex<Algo>,
@@ -155,6 +159,7 @@ impl Comm {
             me,
             executor: AtomicU64::new(0),
             scope: AtomicPtr::new(std::ptr::null_mut()),
+            scope_held: Mutex::new(()),
             gate: Default::default(),
             rank: cfg.rank,
             size: cfg.world_size,
@@ -204,9 +209,27 @@ impl Comm {
 
     /// Makes the calling thread the owner without `&mut`: for an adapter that serialises its
     /// callers under a lock of its own (a framework's transport called from any thread).
+    /// Refused while another thread's [`Comm::overlap`] scope is open (opened through the
+    /// adapter's `comm()`): its queue lives on that thread's stack.
     #[cfg(any(feature = "nuvec", feature = "fuel"))]
-    pub(crate) fn claim(&self) {
-        self.owner.store(this_thread(), Ordering::Relaxed);
+    pub(crate) fn claim(&self, what: &str) -> Result<()> {
+        let me = this_thread();
+        let _held = match self.scope_held.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if self.owner.load(Ordering::Relaxed) == me {
+                    return Ok(()); // the scope's own thread
+                }
+                return Err(Error::WrongThread(format!(
+                    "{what} was called while another thread has an overlap scope open on this \
+                     communicator (Comm::overlap through the transport's comm()): call it from \
+                     that thread inside the scope, or after the scope"
+                )));
+            }
+        };
+        self.owner.store(me, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Closes the link now, as dropping the communicator would (the group is told this rank

@@ -211,7 +211,8 @@ fn entry_of(b: &[u8], n: usize, sub_rank: usize, from: usize) -> Result<Vec<u8>>
         entry,
         each: r.0.to_vec(),
     };
-    card.for_rank(sub_rank).ok_or_else(|| bad("no entry for this rank"))
+    card.for_rank(sub_rank)
+        .ok_or_else(|| bad("no entry for this rank"))
 }
 
 #[cfg(test)]

@@ -174,6 +174,27 @@ impl Comm {
     where
         F: FnOnce(&Overlap<'env>) -> R,
     {
+        // Held for the scope's life, and taken before the owner check: an adapter's claim
+        // from another thread cannot slip in between, nor during the scope.
+        let mut tries = 0;
+        let _held = loop {
+            match self.scope_held.try_lock() {
+                Ok(g) => break g,
+                Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
+                // An adapter's claim holds it for an instant; a scope, for its life.
+                Err(std::sync::TryLockError::WouldBlock) if tries < 1000 => {
+                    tries += 1;
+                    std::thread::yield_now();
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return Err(Error::InvalidArgument(
+                        "overlap: a scope is open on this communicator already (scopes do not \
+                         nest)"
+                            .into(),
+                    ))
+                }
+            }
+        };
         self.check_thread(&"overlap")?;
         if self.executor.load(Ordering::Relaxed) != 0 {
             return Err(Error::InvalidArgument(

@@ -66,7 +66,8 @@ pub fn connect_with(
         let payloads = strip(&mut rv, cfg.rank)?;
         crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         if let Some(p) = pending.take() {
-            rings = Some(p.finish(cfg.rank, &payloads, &rv.addrs, &mut rv.side, false)?);
+            let r = p.finish(cfg.rank, &payloads, &rv.addrs, &mut rv.side, false);
+            rings = Some(rv.side.told(r)?);
         }
         Ok(rv)
     };

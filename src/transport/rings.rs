@@ -72,6 +72,19 @@ fn no_memory(len: usize, why: String) -> Error {
     ))
 }
 
+/// What `/proc/self/fd/<fd>` reads as for a segment's file (`memfd_create`'s name).
+const MEMFD_LINK: &str = "/memfd:rdmacomm ";
+
+/// Whether `path` has the form `/proc/<pid>/fd/<fd>` (decimal numbers, nothing else).
+fn is_fd_path(path: &str) -> bool {
+    let num = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
+    let mut parts = path.split('/');
+    matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some(""), Some("proc"), Some(pid), Some("fd"), Some(fd), None) if num(pid) && num(fd)
+    )
+}
+
 /// Where a process on this host opens `file`, an open file of this one.
 fn path_of(file: &File) -> String {
     use std::os::fd::AsRawFd;
@@ -104,8 +117,15 @@ impl Segment {
         })
     }
 
-    /// Maps the peer's segment at `path`, which must be `len` bytes.
+    /// Maps the peer's segment at `path`, which must be `len` bytes: a path of the form
+    /// `/proc/<pid>/fd/<fd>` whose file, as opened, is an rdmacomm memory file (a peer's card
+    /// can name no other file for this rank to map and write).
     fn open(path: &str, len: usize) -> std::result::Result<Segment, String> {
+        if !is_fd_path(path) {
+            return Err(format!(
+                "its shared memory is named {path:?}, not /proc/<pid>/fd/<fd>: refused"
+            ));
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -116,6 +136,17 @@ impl Segment {
                      user? set RDMACOMM_HOST_ID apart, or RDMACOMM_SHM=0)"
                 )
             })?;
+        let what = {
+            use std::os::fd::AsRawFd;
+            std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+                .map(|t| t.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        if !what.starts_with(MEMFD_LINK) {
+            return Err(format!(
+                "its shared memory {path} is {what:?}, not an rdmacomm memory file: refused"
+            ));
+        }
         let size = file.metadata().map_err(|e| e.to_string())?.len() as usize;
         if size != len {
             return Err(format!(
@@ -260,9 +291,10 @@ impl Pending {
                 rank: p,
                 addr: addrs[p].clone(),
             };
-            theirs.push(Some(
-                Segment::open(path, len).map_err(|reason| Error::PeerFailed { peer, reason })?,
-            ));
+            // This rank's own failure (its user, PID namespace or host differs from p's).
+            theirs.push(Some(Segment::open(path, len).map_err(|reason| {
+                Error::Config(format!("rank {} ({}): {reason}", peer.rank, peer.addr))
+            })?));
         }
         // Every rank has mapped every segment it needs: nobody opens ours again.
         side.barrier()?;
@@ -484,6 +516,23 @@ mod tests {
             Segment::open(&path, len).is_err(),
             "closed: nobody opens it again"
         );
+        // A card naming another file of the right size: refused, by its name or by what it is.
+        let plain = std::env::temp_dir().join(format!("rdmacomm-seg-{}", std::process::id()));
+        std::fs::write(&plain, vec![0u8; 4096]).unwrap();
+        let e = Segment::open(plain.to_str().unwrap(), 4096).err().unwrap();
+        assert!(e.contains("not /proc/<pid>/fd/<fd>"), "{e}");
+        let held = File::open(&plain).unwrap();
+        let e = Segment::open(&path_of(&held), 4096).err().unwrap();
+        assert!(e.contains("not an rdmacomm memory file"), "{e}");
+        std::fs::remove_file(&plain).unwrap();
+        for bad in [
+            "/proc/1/fd/",
+            "/proc/x/fd/3",
+            "/proc/1/fd/3/..",
+            "/proc/1/cwd/3",
+        ] {
+            assert!(!is_fd_path(bad), "{bad}");
+        }
         assert_eq!(other.counter(64).load(Ordering::Acquire), 7, "still mapped");
         let shm_after = std::fs::read_dir("/dev/shm")
             .map(|d| d.count())

@@ -47,10 +47,12 @@ impl ShmTransport {
             each: Vec::new(),
         };
         let rv = meet(&card)?;
-        check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_SHM)?;
         let mut side = rv.side;
+        let tags = check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_SHM);
+        side.told(tags)?;
         let payloads: Vec<Vec<u8>> = rv.cards.iter().map(|c| c[4..].to_vec()).collect();
-        let rings = pending.finish(cfg.rank, &payloads, &rv.addrs, &mut side, true)?;
+        let rings = pending.finish(cfg.rank, &payloads, &rv.addrs, &mut side, true);
+        let rings = side.told(rings)?;
         side.set_async()?;
         let crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         Ok(ShmTransport {

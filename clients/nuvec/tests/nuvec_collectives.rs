@@ -478,3 +478,44 @@ fn a_single_process_runs_unchanged() {
         [1.0, 2.0, 3.0, 4.0]
     );
 }
+
+/// An overlap scope opened through the transport's `comm()` keeps its owner: a call through
+/// the transport from another thread meanwhile is refused (it would have become the owner and
+/// run the scope's queue, which lives on the scope's stack); after the scope it runs.
+#[test]
+fn a_scope_through_comm_keeps_its_owner() {
+    if std::env::var(harness::common::CHILD).is_ok() {
+        return;
+    }
+    let cfg = rdmacomm::Config::defaults(0, 1, "");
+    let t = rdmacomm::nuvec::Transport::new(rdmacomm::Comm::new(&cfg).unwrap());
+    let one = 3.5f32.to_le_bytes();
+    let mut data = [0u8; 4];
+    let refused = t
+        .comm()
+        .overlap(|o| {
+            let p = o.all_reduce_bytes(rdmacomm::AllReduce::Sum, rdmacomm::DType::f32, &mut data);
+            let e = std::thread::scope(|s| {
+                s.spawn(|| {
+                    let mut out = [0u8; 4];
+                    t.sum_scatter(nuvec_core::DType::F32, &one, &mut out)
+                })
+                .join()
+                .unwrap()
+            });
+            p.and_then(|p| p.wait()).unwrap();
+            e
+        })
+        .unwrap();
+    let e = refused.unwrap_err().to_string();
+    assert!(e.contains("overlap scope open"), "{e}");
+    // After the scope, any thread's call runs.
+    let mut out = [0u8; 4];
+    std::thread::scope(|s| {
+        s.spawn(|| t.sum_scatter(nuvec_core::DType::F32, &one, &mut out))
+            .join()
+            .unwrap()
+    })
+    .unwrap();
+    assert_eq!(out, one);
+}

@@ -67,61 +67,66 @@ impl RdmaTransport {
         let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_RDMA)?;
         let mut side = rv.side;
-        let policy = RetryPolicy::for_limit(cfg.timeout, cfg.ib_timeout, cfg.ib_retry);
-        let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
-        for (p, qp) in qps.into_iter().enumerate() {
-            let Some(mut qp) = qp else {
-                peers.push(None);
-                continue;
-            };
-            let addr_p = &rv.addrs[p];
-            let mut r = Reader(&rv.cards[p][4..]);
-            let (slots, slot) = (r.u32()? as usize, r.u32()? as usize);
-            if slots != cfg.slots || slot != cfg.slot_bytes {
-                return Err(Error::Config(format!(
-                    "rank {p} ({addr_p}) uses {slots} slots of {slot} bytes but rank {} uses {} of {}: \
-                     set RDMACOMM_SLOTS / RDMACOMM_SLOT_BYTES alike on every rank",
-                    cfg.rank, cfg.slots, cfg.slot_bytes
-                )));
+        // Every step to the barrier is told to the group if it fails here.
+        let peers = (|| -> Result<Vec<Option<PeerState>>> {
+            let policy = RetryPolicy::for_limit(cfg.timeout, cfg.ib_timeout, cfg.ib_retry);
+            let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
+            for (p, qp) in qps.into_iter().enumerate() {
+                let Some(mut qp) = qp else {
+                    peers.push(None);
+                    continue;
+                };
+                let addr_p = &rv.addrs[p];
+                let mut r = Reader(&rv.cards[p][4..]);
+                let (slots, slot) = (r.u32()? as usize, r.u32()? as usize);
+                if slots != cfg.slots || slot != cfg.slot_bytes {
+                    return Err(Error::Config(format!(
+                        "rank {p} ({addr_p}) uses {slots} slots of {slot} bytes but rank {} uses {} of {}: \
+                         set RDMACOMM_SLOTS / RDMACOMM_SLOT_BYTES alike on every rank",
+                        cfg.rank, cfg.slots, cfg.slot_bytes
+                    )));
+                }
+                let addr = r.u64()?;
+                // The endpoint of p's queue pair for us, and the key of our block in p's buffer.
+                let mine = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
+                let remote = Remote {
+                    addr,
+                    rkey: r.u32()?,
+                };
+                for k in 0..cfg.slots as u64 {
+                    qp.post_recv(wr_id(KIND_RECV, p, k))?;
+                }
+                qp.connect(&mine, policy).map_err(|e| Error::PeerFailed {
+                    peer: Peer {
+                        rank: p,
+                        addr: addr_p.clone(),
+                    },
+                    reason: format!("connecting the queue pair: {e}"),
+                })?;
+                peers.push(Some(PeerState {
+                    qp,
+                    remote,
+                    sent: 0,
+                    send_done: 0,
+                    wr_posted: 0,
+                    wr_done: 0,
+                    unsignaled: 0,
+                    chunk_wr: vec![0; cfg.slots],
+                    cq_next: 0,
+                    consumed: 0,
+                    returned: 0,
+                    peer_consumed: 0,
+                    lens: vec![EMPTY; cfg.slots],
+                    probe: None,
+                    head_out: false,
+                    head_in: false,
+                    seq_out: u64::MAX,
+                    seq_in: u64::MAX,
+                }));
             }
-            let addr = r.u64()?;
-            // The endpoint of p's queue pair for us, and the key of our block in p's buffer.
-            let mine = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
-            let remote = Remote {
-                addr,
-                rkey: r.u32()?,
-            };
-            for k in 0..cfg.slots as u64 {
-                qp.post_recv(wr_id(KIND_RECV, p, k))?;
-            }
-            qp.connect(&mine, policy).map_err(|e| Error::PeerFailed {
-                peer: Peer {
-                    rank: p,
-                    addr: addr_p.clone(),
-                },
-                reason: format!("connecting the queue pair: {e}"),
-            })?;
-            peers.push(Some(PeerState {
-                qp,
-                remote,
-                sent: 0,
-                send_done: 0,
-                wr_posted: 0,
-                wr_done: 0,
-                unsignaled: 0,
-                chunk_wr: vec![0; cfg.slots],
-                cq_next: 0,
-                consumed: 0,
-                returned: 0,
-                peer_consumed: 0,
-                lens: vec![EMPTY; cfg.slots],
-                probe: None,
-                head_out: false,
-                head_in: false,
-                seq_out: u64::MAX,
-                seq_in: u64::MAX,
-            }));
-        }
+            Ok(peers)
+        })();
+        let peers = side.told(peers)?;
         // Nobody writes before every QP is ready to receive.
         side.barrier()?;
         side.set_async()?;

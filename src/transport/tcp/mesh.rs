@@ -85,115 +85,121 @@ impl TcpTransport {
         let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_TCP)?;
         let mut side = rv.side;
-        let mut addrs_data = Vec::with_capacity(n);
-        for (p, c) in rv.cards.iter().enumerate() {
-            let mut r = Reader(&c[4..]);
-            let chunk = r.u32()? as usize;
-            if chunk != cfg.tcp_chunk {
-                return Err(Error::Config(format!(
-                    "rank {p} uses RDMACOMM_TCP_CHUNK={chunk} but rank {} uses {}: set it alike everywhere",
-                    cfg.rank, cfg.tcp_chunk
-                )));
-            }
-            let a = String::from_utf8_lossy(r.bytes()?).into_owned();
-            addrs_data.push(
-                a.parse::<SocketAddr>()
-                    .map_err(|_| Error::Bootstrap(format!("rank {p} sent a bad address {a:?}")))?,
-            );
-        }
-        let deadline = Instant::now() + cfg.timeout;
-        let peer = |p: usize| Peer {
-            rank: p,
-            addr: rv.addrs[p].clone(),
-        };
-        let mut socks: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
-        // Connect to lower ranks, announcing our rank.
-        for (p, sa) in addrs_data.iter().enumerate().take(cfg.rank) {
-            let mut s = loop {
-                match TcpStream::connect_timeout(sa, Duration::from_secs(1)) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() >= deadline => {
-                        return Err(Error::PeerFailed {
-                            peer: peer(p),
-                            reason: format!("cannot connect the data connection to {sa}: {e}"),
-                        })
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        // Every step to the barrier is told to the group if it fails here.
+        let socks = (|| -> Result<Vec<Option<TcpStream>>> {
+            let mut addrs_data = Vec::with_capacity(n);
+            for (p, c) in rv.cards.iter().enumerate() {
+                let mut r = Reader(&c[4..]);
+                let chunk = r.u32()? as usize;
+                if chunk != cfg.tcp_chunk {
+                    return Err(Error::Config(format!(
+                        "rank {p} uses RDMACOMM_TCP_CHUNK={chunk} but rank {} uses {}: set it alike everywhere",
+                        cfg.rank, cfg.tcp_chunk
+                    )));
                 }
+                let a = String::from_utf8_lossy(r.bytes()?).into_owned();
+                addrs_data.push(
+                    a.parse::<SocketAddr>().map_err(|_| {
+                        Error::Bootstrap(format!("rank {p} sent a bad address {a:?}"))
+                    })?,
+                );
+            }
+            let deadline = Instant::now() + cfg.timeout;
+            let peer = |p: usize| Peer {
+                rank: p,
+                addr: rv.addrs[p].clone(),
             };
-            // Our rank, and the proof that we were at the rendezvous.
-            let mut hello = (cfg.rank as u32).to_le_bytes().to_vec();
-            hello.extend_from_slice(&proof(&rv.session, cfg.rank, p));
-            s.write_all(&hello)?;
-            tune(&s)?;
-            socks[p] = Some(s);
-        }
-        // Accept from higher ranks: a connection counts once it names a rank that has yet to
-        // connect and proves the session key; any other is dropped, without holding up the rest.
-        listener.set_nonblocking(true)?;
-        let mut pending: Vec<(TcpStream, Vec<u8>, Instant)> = Vec::new();
-        let mut waiting = n - 1 - cfg.rank;
-        let want = 4 + KEY;
-        while waiting > 0 {
-            let mut busy = false;
-            match listener.accept() {
-                Ok((s, _)) if pending.len() < 1024 => {
-                    busy = true;
-                    s.set_nonblocking(true)?;
-                    pending.push((s, Vec::new(), Instant::now() + Duration::from_secs(5)));
-                }
-                Ok(_) => {}
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+            let mut socks: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+            // Connect to lower ranks, announcing our rank.
+            for (p, sa) in addrs_data.iter().enumerate().take(cfg.rank) {
+                let mut s = loop {
+                    match TcpStream::connect_timeout(sa, Duration::from_secs(1)) {
+                        Ok(s) => break s,
+                        Err(e) if Instant::now() >= deadline => {
+                            return Err(Error::PeerFailed {
+                                peer: peer(p),
+                                reason: format!("cannot connect the data connection to {sa}: {e}"),
+                            })
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                };
+                // Our rank, and the proof that we were at the rendezvous.
+                let mut hello = (cfg.rank as u32).to_le_bytes().to_vec();
+                hello.extend_from_slice(&proof(&rv.session, cfg.rank, p));
+                s.write_all(&hello)?;
+                tune(&s)?;
+                socks[p] = Some(s);
             }
-            let mut i = 0;
-            while i < pending.len() {
-                let (s, buf, until) = &mut pending[i];
-                let mut b = [0u8; 64];
-                let mut drop_it = Instant::now() >= *until;
-                match s.read(&mut b[..want - buf.len()]) {
-                    Ok(0) => drop_it = true,
-                    Ok(k) => {
+            // Accept from higher ranks: a connection counts once it names a rank that has yet to
+            // connect and proves the session key; any other is dropped, without holding up the rest.
+            listener.set_nonblocking(true)?;
+            let mut pending: Vec<(TcpStream, Vec<u8>, Instant)> = Vec::new();
+            let mut waiting = n - 1 - cfg.rank;
+            let want = 4 + KEY;
+            while waiting > 0 {
+                let mut busy = false;
+                match listener.accept() {
+                    Ok((s, _)) if pending.len() < 1024 => {
                         busy = true;
-                        buf.extend_from_slice(&b[..k]);
+                        s.set_nonblocking(true)?;
+                        pending.push((s, Vec::new(), Instant::now() + Duration::from_secs(5)));
                     }
+                    Ok(_) => {}
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                    Err(_) => drop_it = true,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e.into()),
                 }
-                if buf.len() == want {
-                    let (s, buf, _) = pending.swap_remove(i);
-                    let p = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
-                    if p > cfg.rank
-                        && p < n
-                        && socks[p].is_none()
-                        && proof_ok(&rv.session, p, cfg.rank, &buf[4..])
-                    {
-                        s.set_nonblocking(false)?;
-                        tune(&s)?;
-                        socks[p] = Some(s);
-                        waiting -= 1;
+                let mut i = 0;
+                while i < pending.len() {
+                    let (s, buf, until) = &mut pending[i];
+                    let mut b = [0u8; 64];
+                    let mut drop_it = Instant::now() >= *until;
+                    match s.read(&mut b[..want - buf.len()]) {
+                        Ok(0) => drop_it = true,
+                        Ok(k) => {
+                            busy = true;
+                            buf.extend_from_slice(&b[..k]);
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                        Err(_) => drop_it = true,
                     }
-                    continue;
+                    if buf.len() == want {
+                        let (s, buf, _) = pending.swap_remove(i);
+                        let p = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+                        if p > cfg.rank
+                            && p < n
+                            && socks[p].is_none()
+                            && proof_ok(&rv.session, p, cfg.rank, &buf[4..])
+                        {
+                            s.set_nonblocking(false)?;
+                            tune(&s)?;
+                            socks[p] = Some(s);
+                            waiting -= 1;
+                        }
+                        continue;
+                    }
+                    if drop_it {
+                        pending.swap_remove(i);
+                        continue;
+                    }
+                    i += 1;
                 }
-                if drop_it {
-                    pending.swap_remove(i);
-                    continue;
+                if waiting > 0 && !busy {
+                    if Instant::now() >= deadline {
+                        let missing = (cfg.rank + 1..n).find(|&p| socks[p].is_none()).unwrap_or(0);
+                        return Err(Error::Timeout {
+                            peer: peer(missing),
+                            what: "data connection".into(),
+                            after: cfg.timeout,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
                 }
-                i += 1;
             }
-            if waiting > 0 && !busy {
-                if Instant::now() >= deadline {
-                    let missing = (cfg.rank + 1..n).find(|&p| socks[p].is_none()).unwrap_or(0);
-                    return Err(Error::Timeout {
-                        peer: peer(missing),
-                        what: "data connection".into(),
-                        after: cfg.timeout,
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
+            Ok(socks)
+        })();
+        let socks = side.told(socks)?;
         side.barrier()?;
         side.set_async()?;
         // Received chunks are read into a buffer of four chunks and reduced from there: small
