@@ -613,9 +613,14 @@ fn report(who: &str, n: usize, t: &Tally) {
 }
 
 /// Thread-ranks of this process, over the transport `RDMACOMM_TRANSPORT` names (TCP by
-/// default), `count` sequences.
-fn in_process(n: usize, count: u64) {
+/// default): each runs `count` sequences from `first` with `run` (MISMATCH_SEED=s replays
+/// sequence s alone: a failure names its seed); rank 0's tally.
+fn threads_as_ranks(n: usize, first: u64, count: u64, run: fn(&Comm, u64, u64) -> Tally) -> Tally {
     let port = free_port();
+    let (first, count) = match std::env::var("MISMATCH_SEED") {
+        Ok(s) => (s.parse().expect("a seed"), 1),
+        Err(_) => (first, count),
+    };
     let tallies: Vec<Tally> = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..n)
             .map(|r| {
@@ -624,18 +629,19 @@ fn in_process(n: usize, count: u64) {
                         .unwrap_or_else(|e| panic!("rank {r}: {e}"));
                     cfg.timeout = TIMEOUT;
                     let world = Comm::new(&cfg).unwrap_or_else(|e| panic!("rank {r}: {e}"));
-                    // MISMATCH_SEED=s replays sequence s alone (a failure names its seed).
-                    let (first, count) = match std::env::var("MISMATCH_SEED") {
-                        Ok(s) => (s.parse().expect("a seed"), 1),
-                        Err(_) => (1000 * n as u64, count),
-                    };
-                    run_sequences(&world, first, count)
+                    run(&world, first, count)
                 })
             })
             .collect();
         ranks.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    report("in-process", n, &tallies[0]);
+    tallies.into_iter().next().expect("rank 0")
+}
+
+/// `count` changed-call sequences on `n` thread-ranks.
+fn in_process(n: usize, count: u64) {
+    let t = threads_as_ranks(n, 1000 * n as u64, count, run_sequences);
+    report("in-process", n, &t);
 }
 
 #[test]
@@ -719,31 +725,13 @@ fn run_delayed(world: &Comm, first: u64, count: u64) -> Tally {
     tally
 }
 
-/// Thread-ranks running `count` delayed correct sequences (see [`in_process`]).
+/// `count` delayed correct sequences on `n` thread-ranks.
 fn delayed_in_process(n: usize, count: u64) {
-    let port = free_port();
-    let tallies: Vec<Tally> = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..n)
-            .map(|r| {
-                s.spawn(move || {
-                    let mut cfg = rdmacomm::Config::new(r, n, format!("127.0.0.1:{port}"))
-                        .unwrap_or_else(|e| panic!("rank {r}: {e}"));
-                    cfg.timeout = TIMEOUT;
-                    let world = Comm::new(&cfg).unwrap_or_else(|e| panic!("rank {r}: {e}"));
-                    let (first, count) = match std::env::var("MISMATCH_SEED") {
-                        Ok(s) => (s.parse().expect("a seed"), 1),
-                        Err(_) => (5_000_000 + 1000 * n as u64, count),
-                    };
-                    run_delayed(&world, first, count)
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let t = threads_as_ranks(n, 5_000_000 + 1000 * n as u64, count, run_delayed);
     println!(
         "RESULT in-process, {n} ranks: {} correct sequences with late ranks and large sends, \
          none failed",
-        tallies[0].sequences
+        t.sequences
     );
 }
 
