@@ -437,6 +437,20 @@ fn impossible_settings_are_errors_not_aborts() {
                     ..base()
                 },
             ),
+            (
+                "job id (RDMACOMM_JOB_ID) has 70000 bytes",
+                Config {
+                    job_id: "j".repeat(70_000),
+                    ..base()
+                },
+            ),
+            (
+                "host id (RDMACOMM_HOST_ID) has 2000 bytes",
+                Config {
+                    host_id: "h".repeat(2000),
+                    ..base()
+                },
+            ),
         ];
         for (want, cfg) in cases {
             match Comm::new(&cfg) {

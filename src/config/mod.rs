@@ -454,6 +454,18 @@ impl Config {
             )));
         }
         self.check_cores()?;
+        // Both ride in a rank's hello, which rank 0 bounds before authentication.
+        for (what, v) in [
+            ("job id (RDMACOMM_JOB_ID)", &self.job_id),
+            ("host id (RDMACOMM_HOST_ID)", &self.host_id),
+        ] {
+            if v.len() > MAX_ID {
+                return Err(Error::Config(format!(
+                    "the {what} has {} bytes: at most {MAX_ID}",
+                    v.len()
+                )));
+            }
+        }
         if let Some(t) = self.ib_timeout.filter(|t| !(1..=31).contains(t)) {
             return Err(Error::Config(format!(
                 "RDMACOMM_IB_TIMEOUT={t}: must be 1..=31"
@@ -501,6 +513,9 @@ impl Config {
         Ok(())
     }
 }
+
+/// The longest job or host identity.
+const MAX_ID: usize = 1024;
 
 /// The shortest and longest timeouts a configuration may set.
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
