@@ -18,7 +18,9 @@ use std::sync::Arc;
 /// - [`Error::PeerFailed`], [`Error::Timeout`]: a peer died, broke the protocol or made no
 ///   progress for `RDMACOMM_TIMEOUT`; the error names it on every rank.
 /// - [`Error::WrongThread`]: called from a thread that does not own the communicator (`Comm`).
-/// - [`Error::Poisoned`]: an earlier failure; a failed communicator refuses further work.
+/// - A failed communicator refuses further work: every later call returns its first error's
+///   kind and peer (saying it is an earlier failure), or [`Error::Poisoned`] where that error
+///   named no peer (a panic, a refused call, a closed communicator).
 pub trait Communicator: Send + Sync {
     /// This process's rank, `0..size`.
     fn rank(&self) -> usize;

@@ -118,6 +118,34 @@ impl Error {
         ))
     }
 
+    /// What a failed communicator returns on a later call: the same kind and peer where this
+    /// error names one (its text saying it is an earlier failure), else [`Error::Poisoned`]
+    /// with this error's words.
+    pub(crate) fn again(&self) -> Error {
+        const EARLIER: &str = "; an earlier failure: the communicator refuses further work";
+        match self {
+            Error::PeerFailed { peer, reason } => Error::PeerFailed {
+                peer: peer.clone(),
+                reason: with_suffix(reason, EARLIER),
+            },
+            Error::Timeout { peer, what, after } => Error::Timeout {
+                peer: peer.clone(),
+                what: with_suffix(what, EARLIER),
+                after: *after,
+            },
+            Error::Mismatch { peer, reason } => Error::Mismatch {
+                peer: peer.clone(),
+                reason: with_suffix(reason, EARLIER),
+            },
+            Error::Aborted { by, reason } => Error::Aborted {
+                by: by.clone(),
+                reason: reason.clone(),
+            },
+            Error::Poisoned(why) => Error::Poisoned(why.clone()),
+            e => Error::Poisoned(e.to_string()),
+        }
+    }
+
     /// The peer this error names, if any.
     pub fn peer(&self) -> Option<&Peer> {
         match self {
@@ -130,10 +158,47 @@ impl Error {
     }
 }
 
+/// `text` with `suffix` once (an error replayed twice says it once).
+fn with_suffix(text: &str, suffix: &str) -> String {
+    if text.ends_with(suffix) {
+        text.to_string()
+    } else {
+        format!("{text}{suffix}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::error::Error as _;
+
+    #[test]
+    fn a_later_error_keeps_the_first_ones_kind_and_peer() {
+        let peer = Peer {
+            rank: 3,
+            addr: "10.0.0.4".into(),
+        };
+        let first = Error::Timeout {
+            peer: peer.clone(),
+            what: "stopped making progress".into(),
+            after: Duration::from_secs(2),
+        };
+        let again = first.again();
+        assert!(matches!(again, Error::Timeout { .. }), "{again}");
+        assert_eq!(again.peer(), Some(&peer));
+        assert!(
+            again.to_string().contains("refuses further work"),
+            "{again}"
+        );
+        assert_eq!(again.again().to_string(), again.to_string(), "said once");
+        let m = Error::Mismatch {
+            peer: peer.clone(),
+            reason: "mismatched operations".into(),
+        };
+        assert!(matches!(m.again(), Error::Mismatch { .. }));
+        let io = Error::Io(std::io::Error::other("gone"));
+        assert!(matches!(io.again(), Error::Poisoned(ref w) if w.contains("gone")));
+    }
 
     #[test]
     fn verbs_errors_keep_their_source() {

@@ -18,6 +18,7 @@
 //! coordinator either.
 
 use crate::bootstrap::discover::meeting_point;
+use crate::bootstrap::wire::{put_bytes, CARD, CHALLENGE, PROOF};
 use crate::bootstrap::{
     recv_frame, send_frame, send_frame_by, Reader, SideChannel, ABORT, HELLO, MAGIC, REJECT, TABLE,
     VERSION,
@@ -30,12 +31,6 @@ use std::io::{ErrorKind, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-/// Frame kind of rank 0's greeting: a nonce to answer.
-pub(crate) const CHALLENGE: u8 = 9;
-/// With a secret: rank 0's proof that it holds it (a MAC over the joiner's nonce).
-const PROOF: u8 = 10;
-/// With a secret: the joiner's card, sent only after the proof checked out.
-const CARD: u8 = 11;
 /// Bytes of a nonce, a session key and a MAC.
 pub const KEY: usize = 32;
 /// Longest a connection may take to send its HELLO.
@@ -118,11 +113,6 @@ pub fn random<const N: usize>() -> [u8; N] {
         }
     }
     b
-}
-
-fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
-    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-    out.extend_from_slice(b);
 }
 
 /// The coordinator's socket address (IPv6 literals in brackets).

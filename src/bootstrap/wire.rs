@@ -10,8 +10,11 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// settings, a configuration error and a MAC; with a secret, the card only after rank 0 proved
 /// it; per-rank tables with a session key; operation descriptors on the data path; a key per
 /// peer over RDMA), checked at the rendezvous so that mixed builds fail with a
-/// clear error instead of misreading each other; 6: a probe says which ways its operation goes).
+/// clear error instead of misreading each other; 6: a probe says which ways its operation goes,
+/// and the side channel's frame kinds differ from the rendezvous').
 pub(crate) const VERSION: u16 = 6;
+// Every frame kind of the bootstrap's connection, rendezvous and side channel alike (one
+// connection becomes the other): each number once (`every_kind_is_its_own`).
 pub(crate) const HELLO: u8 = 1;
 pub(crate) const REJECT: u8 = 2;
 pub(crate) const TABLE: u8 = 3;
@@ -21,13 +24,19 @@ pub(crate) const ABORT: u8 = 6;
 pub(super) const BYE: u8 = 7;
 /// A rank's wait ran out: it names the rank it waits on (to rank 0, which judges).
 pub(super) const STALLED: u8 = 8;
+/// Frame kind of rank 0's greeting: a nonce to answer.
+pub(crate) const CHALLENGE: u8 = 9;
+/// With a secret: rank 0's proof that it holds it (a MAC over the joiner's nonce).
+pub(super) const PROOF: u8 = 10;
+/// With a secret: the joiner's card, sent only after the proof checked out.
+pub(super) const CARD: u8 = 11;
 /// A rank closes its communicator (body: its rank); rank 0 relays it to every rank.
-pub(super) const LEAVING: u8 = 9;
+pub(super) const LEAVING: u8 = 12;
 /// A rank has waited on a peer without progress: its operation's numbers in both directions, its
 /// descriptor and which ways it goes (body: to, from, in, out, descriptor, directions), relayed
 /// by rank 0. The peer compares it with its own call in the same direction: mismatched calls that
 /// move no byte (both waiting to receive) are named at once, not after the timeout.
-pub(super) const PROBE: u8 = 10;
+pub(super) const PROBE: u8 = 13;
 pub(super) const MAX_FRAME: usize = 64 << 20;
 
 pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -231,6 +240,17 @@ pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u3
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kind_is_its_own() {
+        let kinds = [
+            HELLO, REJECT, TABLE, READY, GO, ABORT, BYE, STALLED, CHALLENGE, PROOF, CARD, LEAVING,
+            PROBE,
+        ];
+        for (i, a) in kinds.iter().enumerate() {
+            assert!(!kinds[i + 1..].contains(a), "kind {a} twice");
+        }
+    }
 
     #[test]
     fn a_frame_is_whole_or_the_connection_ends() {

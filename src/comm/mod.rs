@@ -40,13 +40,9 @@ pub(crate) struct ScopeHook {
     pub(crate) drain: unsafe fn(*const ()),
 }
 
-/// Why a communicator refuses work.
-enum Poison {
-    /// An operation failed (the error, in words).
-    Failed(String),
-    /// A rank's application aborted.
-    Aborted { by: Peer, reason: String },
-}
+/// Why a communicator refuses work: its first error, as later calls return it
+/// ([`Error::again`]).
+struct Poison(Error);
 
 /// A number for the calling thread, unique for the life of the process.
 #[inline]
@@ -382,18 +378,11 @@ impl Comm {
     }
 
     fn poison(&self, e: &Error) {
-        let p = match e {
-            Error::Aborted { by, reason } => Poison::Aborted {
-                by: by.clone(),
-                reason: reason.clone(),
-            },
-            e => Poison::Failed(e.to_string()),
-        };
-        self.poison_as(p);
+        self.poison_as(Poison(e.again()));
     }
 
     fn poison_with(&self, why: String) {
-        self.poison_as(Poison::Failed(why));
+        self.poison_as(Poison(Error::Poisoned(why)));
     }
 
     fn poison_as(&self, why: Poison) {
@@ -415,11 +404,7 @@ impl Comm {
     #[cold]
     fn poisoned_error(&self) -> Result<()> {
         match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
-            Some(Poison::Failed(why)) => Err(Error::Poisoned(why.clone())),
-            Some(Poison::Aborted { by, reason }) => Err(Error::Aborted {
-                by: by.clone(),
-                reason: reason.clone(),
-            }),
+            Some(Poison(first)) => Err(first.again()),
             None => Ok(()),
         }
     }
@@ -431,10 +416,10 @@ impl Comm {
     /// stop).
     pub fn abort(&self, reason: &str) {
         self.end_and_tell(
-            Poison::Aborted {
+            Poison(Error::Aborted {
                 by: self.me.clone(),
                 reason: reason.to_string(),
-            },
+            }),
             reason,
         );
     }
@@ -453,7 +438,7 @@ impl Comm {
             return e;
         }
         let why = format!("rank {} refused its call: {e}", self.rank);
-        self.end_and_tell(Poison::Failed(why.clone()), &why);
+        self.end_and_tell(Poison(Error::Poisoned(why.clone())), &why);
         e
     }
 

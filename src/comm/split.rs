@@ -44,7 +44,7 @@ impl Comm {
                 "rank {} could not set up its subgroup in split: {e}",
                 self.rank
             );
-            self.end_and_tell(Poison::Failed(why.clone()), &why);
+            self.end_and_tell(Poison(Error::Poisoned(why.clone())), &why);
         }
         e
     }

@@ -10,74 +10,91 @@ use crate::dtype::{AllReduce, DType};
 pub const WIRE: usize = 16;
 const _: () = assert!(WIRE == crate::bootstrap::DESC_BYTES);
 
-/// The kind of a communicator operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpKind {
+/// Declares [`OpKind`] from one list: each kind's wire code (explicit, never reused), its doc
+/// and its name in messages; decoding and naming are generated from the same list, so a kind
+/// cannot be added without both.
+macro_rules! op_kinds {
+    ($($(#[doc = $doc:literal])* $kind:ident = $code:literal, $name:literal;)*) => {
+        /// The kind of a communicator operation.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[repr(u8)]
+        pub enum OpKind {
+            $($(#[doc = $doc])* $kind = $code,)*
+        }
+
+        impl OpKind {
+            /// The kind whose wire code is `c`, if any.
+            fn from_code(c: u8) -> Option<OpKind> {
+                match c {
+                    $($code => Some(OpKind::$kind),)*
+                    _ => None,
+                }
+            }
+
+            /// Its name in messages.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(OpKind::$kind => $name,)*
+                }
+            }
+        }
+    };
+}
+
+op_kinds! {
     /// `all_reduce`.
-    AllReduce,
+    AllReduce = 1, "all_reduce";
     /// `all_gather` (bytes: each rank's input).
-    AllGather,
+    AllGather = 2, "all_gather";
     /// `sum_scatter` (bytes: the input).
-    SumScatter,
+    SumScatter = 3, "sum_scatter";
     /// `broadcast`.
-    Broadcast,
+    Broadcast = 4, "broadcast";
     /// `barrier`.
-    Barrier,
+    Barrier = 5, "barrier";
     /// A `send` matched by a `recv` (bytes: the message).
-    SendRecv,
+    SendRecv = 6, "send/recv";
     /// Step `algo` of `split` (an exchange of colors, keys or endpoints).
-    Split,
+    Split = 7, "split";
     /// `all_to_all` (bytes: one block).
-    AllToAll,
+    AllToAll = 8, "all_to_all";
     /// `all_to_allv` (bytes: 0; the blocks' lengths are checked chunk by chunk).
-    AllToAllV,
+    AllToAllV = 9, "all_to_allv";
     /// `reduce` to a root (bytes: the buffer).
-    Reduce,
+    Reduce = 10, "reduce";
     /// `gather` to a root (bytes: each rank's input).
-    Gather,
+    Gather = 11, "gather";
     /// `scatter` from a root (bytes: each rank's output).
-    Scatter,
+    Scatter = 12, "scatter";
     /// `all_gather_v` (bytes: the output).
-    AllGatherV,
+    AllGatherV = 13, "all_gather_v";
     /// `reduce_scatter_v` (bytes: the input).
-    ReduceScatterV,
+    ReduceScatterV = 14, "reduce_scatter_v";
     /// A batch of sends and receives posted together (`sendrecv`, `batch`; bytes: 0).
-    Batch,
+    Batch = 15, "batch";
 }
 
 impl OpKind {
-    const ALL: [OpKind; 15] = [
-        OpKind::AllReduce,
-        OpKind::AllGather,
-        OpKind::SumScatter,
-        OpKind::Broadcast,
-        OpKind::Barrier,
-        OpKind::SendRecv,
-        OpKind::Split,
-        OpKind::AllToAll,
-        OpKind::AllToAllV,
-        OpKind::Reduce,
-        OpKind::Gather,
-        OpKind::Scatter,
-        OpKind::AllGatherV,
-        OpKind::ReduceScatterV,
-        OpKind::Batch,
-    ];
-
     /// Whether the operation has a root (then part of its descriptor).
     pub fn rooted(self) -> bool {
-        matches!(
-            self,
-            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter
-        )
+        match self {
+            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter => true,
+            OpKind::AllReduce
+            | OpKind::AllGather
+            | OpKind::SumScatter
+            | OpKind::Barrier
+            | OpKind::SendRecv
+            | OpKind::Split
+            | OpKind::AllToAll
+            | OpKind::AllToAllV
+            | OpKind::AllGatherV
+            | OpKind::ReduceScatterV
+            | OpKind::Batch => false,
+        }
     }
 
     fn code(self) -> u8 {
-        OpKind::ALL.iter().position(|&k| k == self).expect("listed") as u8 + 1
-    }
-
-    fn from_code(c: u8) -> Option<OpKind> {
-        OpKind::ALL.get((c as usize).checked_sub(1)?).copied()
+        self as u8
     }
 }
 
@@ -242,23 +259,7 @@ impl OpDesc {
 
 impl std::fmt::Display for OpDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = match self.kind {
-            OpKind::AllReduce => "all_reduce",
-            OpKind::AllGather => "all_gather",
-            OpKind::SumScatter => "sum_scatter",
-            OpKind::Broadcast => "broadcast",
-            OpKind::Barrier => "barrier",
-            OpKind::SendRecv => "send/recv",
-            OpKind::Split => "split",
-            OpKind::AllToAll => "all_to_all",
-            OpKind::AllToAllV => "all_to_allv",
-            OpKind::Reduce => "reduce",
-            OpKind::Gather => "gather",
-            OpKind::Scatter => "scatter",
-            OpKind::AllGatherV => "all_gather_v",
-            OpKind::ReduceScatterV => "reduce_scatter_v",
-            OpKind::Batch => "batch",
-        };
+        let name = self.kind.name();
         let mut args: Vec<String> = Vec::new();
         if let Some(d) = self.dtype {
             args.push(d.name().into());
@@ -318,6 +319,20 @@ mod tests {
         b.root = 5;
         b.algo = 1;
         assert_eq!(OpDesc::decode(&b.encode(), b.seq), Some(b));
+    }
+
+    #[test]
+    fn every_code_decodes_to_its_kind() {
+        let mut kinds = 0;
+        for c in 0..=u8::MAX {
+            if let Some(k) = OpKind::from_code(c) {
+                assert_eq!(k.code(), c, "{k:?}");
+                assert!(!k.name().is_empty());
+                kinds += 1;
+            }
+        }
+        assert!(kinds >= 15, "{kinds}");
+        assert_eq!(OpKind::from_code(0), None, "0 is no kind");
     }
 
     #[test]

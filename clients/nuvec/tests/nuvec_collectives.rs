@@ -371,7 +371,11 @@ fn peer_exits(g: Group) {
         .eval()
         .unwrap_err()
         .to_string();
-    assert!(err.contains("failed earlier"), "{err}");
+    // The first error again (its kind and the rank it names), said to be an earlier one.
+    assert!(
+        err.contains("an earlier failure") && err.contains(&format!("rank {last}")),
+        "{err}"
+    );
     assert!(start.elapsed() < Duration::from_secs(1));
 }
 
