@@ -21,6 +21,8 @@
 //! bootstrap (how ranks meet and tell each other of failures), the verbs owners; configuration
 //! below them all (docs/DESIGN.md, "Layers and modules").
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod api;
 mod bootstrap;
@@ -45,6 +47,7 @@ mod reduce;
 mod relayout;
 #[cfg(any(feature = "nuvec", feature = "fuel"))]
 mod serial;
+mod sys;
 mod transport;
 pub mod unstable;
 mod verbs;

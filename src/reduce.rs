@@ -143,8 +143,9 @@ fn combine_bytes(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn combine_bytes_avx2(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
     if dtype == DType::f16 || dtype == DType::bf16 {
-        // SAFETY: same CPU features as this function; u8 -> u16 cast checked by bytemuck.
+        // u8 -> u16, checked by bytemuck.
         let (a, b) = (bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(src));
+        // SAFETY: same CPU features as this function.
         return unsafe {
             if dtype == DType::bf16 {
                 half_avx2::<true>(op, a, b)

@@ -62,11 +62,8 @@ static LIVE: Mutex<Vec<Weak<Comm>>> = Mutex::new(Vec::new());
 fn close_at_exit(comm: &Arc<Comm>) {
     static HOOK: Once = Once::new();
     HOOK.call_once(|| {
-        // SAFETY: registers a function with C's exit handlers; it takes no arguments and
-        // does not unwind (it catches panics).
-        unsafe {
-            libc::atexit(close_all);
-        }
+        // close_all catches its panics.
+        crate::sys::at_exit(close_all);
     });
     let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
     live.retain(|w| w.strong_count() > 0);

@@ -130,26 +130,21 @@ fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
         since: None,
     };
     let mut buf = [0u8; 4096];
+    let mut fds = Vec::with_capacity(n);
     loop {
         stalls.judge(&mut conns, sh);
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
-        let mut fds: Vec<libc::pollfd> = conns
-            .iter()
-            .flatten()
-            .map(|(r, _)| libc::pollfd {
-                fd: r.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        if fds.is_empty() {
+        if conns.iter().all(Option::is_none) {
             return;
         }
-        // SAFETY: `fds` is a valid, exclusively borrowed array of `fds.len()` pollfd entries
-        // for descriptors this thread holds open.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        let socks = conns.iter().flatten().map(|(r, _)| crate::sys::Wait {
+            fd: r.as_raw_fd(),
+            read: true,
+            write: false,
+        });
+        crate::sys::wait(socks, 100, &mut fds);
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }

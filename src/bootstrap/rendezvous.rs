@@ -99,20 +99,9 @@ pub fn mac_ok(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
     m.verify_slice(tag).is_ok()
 }
 
-/// `n` random bytes from the kernel.
+/// `N` random bytes from the kernel.
 pub fn random<const N: usize>() -> [u8; N] {
-    let mut b = [0u8; N];
-    let mut got = 0;
-    while got < N {
-        // SAFETY: writes at most N - got bytes into b at offset got.
-        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), N - got, 0) };
-        if r > 0 {
-            got += r as usize;
-        } else if std::io::Error::last_os_error().kind() != ErrorKind::Interrupted {
-            panic!("getrandom failed: {}", std::io::Error::last_os_error());
-        }
-    }
-    b
+    crate::sys::random()
 }
 
 /// The coordinator's socket address (IPv6 literals in brackets).

@@ -38,8 +38,7 @@ pub fn host_id() -> String {
     let pid_ns = std::fs::read_link("/proc/self/ns/pid")
         .map(|l| l.to_string_lossy().into_owned())
         .unwrap_or_default();
-    // SAFETY: getuid cannot fail and touches no memory.
-    let uid = unsafe { libc::getuid() };
+    let uid = crate::sys::uid();
     format!(
         "{}/{}/{pid_ns}/uid {uid}",
         read("/proc/sys/kernel/random/boot_id").trim(),

@@ -31,30 +31,16 @@ pub(crate) fn plan(need: u64, soft: u64, hard: u64) -> Plan {
 
 /// Makes sure rank `rank` of a world of `n` may open the descriptors it needs.
 pub(crate) fn ensure(rank: usize, n: usize) -> Result<()> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit to a valid, exclusively borrowed location.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+    let Ok((soft, hard)) = crate::sys::nofile() else {
         return Ok(()); // cannot tell: connecting will say if it runs out
-    }
+    };
     let need = need(n);
-    match plan(need, lim.rlim_cur, lim.rlim_max) {
+    match plan(need, soft, hard) {
         Plan::Enough => Ok(()),
         Plan::RaiseTo(to) => {
-            let raised = libc::rlimit {
-                rlim_cur: to,
-                rlim_max: lim.rlim_max,
-            };
-            // SAFETY: setrlimit reads one valid rlimit; raising the soft limit up to the hard
-            // one needs no privilege.
-            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
-                return Err(too_few(rank, n, need, lim.rlim_cur));
-            }
-            Ok(())
+            crate::sys::set_nofile(to, hard).map_err(|_| too_few(rank, n, need, soft))
         }
-        Plan::TooFew => Err(too_few(rank, n, need, lim.rlim_max)),
+        Plan::TooFew => Err(too_few(rank, n, need, hard)),
     }
 }
 

@@ -17,7 +17,6 @@ use crate::bootstrap::{Reader, SideChannel};
 use crate::error::{Error, Peer, Result};
 use crate::transport::op::{self, OpDesc, OpKind, Scope};
 use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Slots per ring of the shared-memory transport.
@@ -57,13 +56,7 @@ struct Segment {
 /// Creates an empty anonymous memory file, so nothing is ever named in `/dev/shm` and its
 /// memory goes with the last process that maps it, however it ends.
 fn create_file() -> Result<File> {
-    // SAFETY: a NUL-terminated name; the flags are valid.
-    let fd = unsafe { libc::memfd_create(c"rdmacomm".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(no_memory(0, std::io::Error::last_os_error().to_string()));
-    }
-    // SAFETY: fd was just opened and is owned by nobody else.
-    Ok(unsafe { File::from_raw_fd(fd) })
+    crate::sys::memory_file(c"rdmacomm").map_err(|e| no_memory(0, e.to_string()))
 }
 
 fn no_memory(len: usize, why: String) -> Error {
@@ -95,16 +88,10 @@ impl Segment {
     /// Gives `file` `len` bytes (reserved now: on a full tmpfs a later first touch would raise
     /// SIGBUS) and maps it.
     fn size(file: File, len: usize) -> Result<Segment> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: the descriptor is open for writing.
-        let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-        if r != 0 {
+        if let Err(e) = crate::sys::reserve(&file, len) {
             return Err(no_memory(
                 len,
-                format!(
-                    "{} (is the memory or a container's limit exhausted?)",
-                    std::io::Error::from_raw_os_error(r)
-                ),
+                format!("{e} (is the memory or a container's limit exhausted?)"),
             ));
         }
         let map = memmap2::MmapOptions::new()

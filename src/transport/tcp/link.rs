@@ -64,22 +64,12 @@ impl TcpTransport {
 
     /// Waits up to `d` for any socket to become readable (or writable when output is queued).
     pub(super) fn wait(&mut self, d: Duration) {
-        self.fds.clear();
-        for c in self.conns.iter().flatten() {
-            self.fds.push(libc::pollfd {
-                fd: c.sock.as_raw_fd(),
-                events: libc::POLLIN | if c.out.is_empty() { 0 } else { libc::POLLOUT },
-                revents: 0,
-            });
-        }
-        // SAFETY: fds is a valid array of pollfd for the duration of the call.
-        unsafe {
-            libc::poll(
-                self.fds.as_mut_ptr(),
-                self.fds.len() as libc::nfds_t,
-                d.as_millis().max(1) as i32,
-            )
-        };
+        let socks = self.conns.iter().flatten().map(|c| crate::sys::Wait {
+            fd: c.sock.as_raw_fd(),
+            read: true,
+            write: !c.out.is_empty(),
+        });
+        crate::sys::wait(socks, d.as_millis() as u64, &mut self.fds);
     }
 
     /// Whether every peer is still reachable, without blocking.
