@@ -562,6 +562,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_guide_lists_every_setting_and_no_other() {
+        let guide = include_str!("../../docs/GUIDE.md");
+        let mut listed: Vec<&str> = guide
+            .lines()
+            .filter(|l| l.starts_with("| `RDMACOMM_"))
+            .filter_map(|l| l.split(" | ").next())
+            .flat_map(|names| names.split('`').filter(|w| w.starts_with("RDMACOMM_")))
+            .collect();
+        listed.sort_unstable();
+        listed.dedup();
+        let mut known: Vec<&str> = VARIABLES.to_vec();
+        // The tests' own switch, documented beside the settings.
+        known.push("RDMACOMM_REQUIRE_RDMA");
+        known.sort_unstable();
+        assert_eq!(
+            listed, known,
+            "docs/GUIDE.md's environment table and VARIABLES differ"
+        );
+    }
+
+    #[test]
     fn suggestions_pick_the_closest_name() {
         assert_eq!(distance("RDMACOMM_TIMOUT", "RDMACOMM_TIMEOUT"), 1);
         let near = VARIABLES
