@@ -6,7 +6,13 @@
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
 //! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`). It reads the configuration and nothing above it.
 
+mod admission;
+mod auth;
+mod coordinate;
 pub mod discover;
+mod hello;
+mod join;
+mod outcome;
 pub mod pmix;
 mod relay;
 pub mod rendezvous;

@@ -1,0 +1,508 @@
+//! Rank 0's side of the rendezvous: it accepts every connection, serves each as its bytes come
+//! (bounded in count, bytes and time before authentication), acts on the admission verdict, and
+//! once every rank is in sends each its table.
+
+use super::admission::{Admission, Verdict};
+use super::auth::{mac, mac_ok, random, KEY};
+use super::hello::{decode_card, decode_hello, Card, Hello};
+use super::outcome::{resolve, Rendezvous};
+use super::wire::*;
+use super::SideChannel;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use std::io::{ErrorKind, Read};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+/// Longest a connection may take to send its HELLO.
+pub(super) const HELLO_WITHIN: Duration = Duration::from_secs(10);
+/// Unauthenticated connections held at once; past it, the oldest is closed for the newest.
+const MAX_PENDING: usize = 1024;
+/// The most bytes a HELLO may have where the job has a secret (the card comes after rank 0's
+/// proof): fixed, whatever the world size.
+const HELLO_BYTES: usize = 64 << 10;
+/// The most bytes buffered for all unauthenticated connections together; past it, the oldest
+/// are closed.
+const PENDING_BYTES: usize = 64 << 20;
+
+/// A connection to rank 0 whose HELLO is still coming.
+struct Pending {
+    sock: TcpStream,
+    from: SocketAddr,
+    buf: Vec<u8>,
+    nonce: [u8; KEY],
+    until: Instant,
+}
+
+/// A rank that joined.
+struct Joined {
+    sock: TcpStream,
+    hello: Hello,
+    /// With a secret, until its card came: the bytes so far, rank 0's challenge, a deadline.
+    awaiting: Option<(Vec<u8>, [u8; KEY], Instant)>,
+}
+
+/// Reads what `sock` (non-blocking) has into `buf`, up to a frame of `limit` bytes: whether
+/// anything came, and why the connection is no use if it is not.
+fn read_some(
+    sock: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    limit: usize,
+) -> (bool, Option<&'static str>) {
+    let mut chunk = [0u8; 4096];
+    let mut busy = false;
+    loop {
+        match sock.read(&mut chunk) {
+            Ok(0) => return (busy, Some("closed without a hello")),
+            Ok(k) => {
+                busy = true;
+                buf.extend_from_slice(&chunk[..k]);
+                if buf.len() > 4 + limit {
+                    return (busy, Some("sent more than a hello"));
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return (busy, None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return (busy, Some("connection failed")),
+        }
+    }
+}
+
+/// Whether `buf` holds a whole frame of at most `limit` bytes (an error for a bad length).
+fn whole_frame(buf: &[u8], limit: usize) -> std::result::Result<bool, &'static str> {
+    if buf.len() < 4 {
+        return Ok(false);
+    }
+    let len = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+    if len == 0 || len > limit {
+        return Err("a malformed frame");
+    }
+    Ok(buf.len() >= 4 + len)
+}
+
+/// Connections rank 0 ignored, each logged (thinned out when many) and remembered for a
+/// time-out's words.
+#[derive(Default)]
+struct Strays(Vec<String>);
+
+impl Strays {
+    fn note(&mut self, from: SocketAddr, what: &str) {
+        let line = format!("{from}: {what}");
+        static SAID: crate::diag::Repeated = crate::diag::Repeated::new();
+        if let Some(before) = SAID.allow() {
+            log::warn!(
+                "ignored a connection to the rendezvous from {line} ({before} ignored before)"
+            );
+        }
+        if self.0.len() < 8 {
+            self.0.push(line);
+        }
+    }
+
+    fn said(&self) -> String {
+        if self.0.is_empty() {
+            String::new()
+        } else {
+            format!(" (connections ignored meanwhile: {})", self.0.join("; "))
+        }
+    }
+}
+
+/// The most bytes a card of a world of `n` may have (and a HELLO that carries one, without a
+/// secret).
+fn card_limit(n: usize) -> usize {
+    HELLO_BYTES + n.saturating_mul(256)
+}
+
+/// Closes the oldest unauthenticated connection (to make room for a newer one), noting why.
+fn evict_oldest(pending: &mut Vec<Pending>, strays: &mut Strays, why: &str) {
+    if let Some(i) = (0..pending.len()).min_by_key(|&i| pending[i].until) {
+        let p = pending.swap_remove(i);
+        strays.note(p.from, why);
+    }
+}
+
+/// Whether `accept` failed for want of a descriptor or of kernel memory (then accepting pauses
+/// instead of ending the rendezvous).
+fn out_of_descriptors(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    ) || e.kind() == ErrorKind::ConnectionAborted
+}
+
+/// Whether the other end of `s` has closed it (a restarted rank's old connection).
+fn closed(s: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    let _ = s.set_nonblocking(true);
+    let dead = match s.peek(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != ErrorKind::WouldBlock,
+    };
+    let _ = s.set_nonblocking(false);
+    dead
+}
+
+/// Rank 0's side. With `own_error` (this rank's configuration is bad), every rank that joins is
+/// refused with it.
+pub(super) fn coordinate(
+    cfg: &Config,
+    card: &Card,
+    deadline: Instant,
+    listener: Option<TcpListener>,
+    own_error: Option<&str>,
+) -> Result<Rendezvous> {
+    let n = cfg.world_size;
+    let sa = resolve(&cfg.coordinator)?;
+    let listener = match listener {
+        Some(l) => l,
+        None => TcpListener::bind(sa).map_err(|e| {
+            Error::Bootstrap(format!(
+                "rank 0 cannot listen on {sa}: {e}{}",
+                if e.kind() == ErrorKind::AddrInUse {
+                    " (the coordinator port is already in use: pick another MASTER_PORT / \
+                     RDMACOMM_COORDINATOR)"
+                } else {
+                    ""
+                }
+            ))
+        })?,
+    };
+    listener.set_nonblocking(true)?;
+    let secret = cfg.secret.as_ref().map(|s| s.bytes());
+    let ours = cfg.shared_settings();
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut joined: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
+    let mut strays = Strays::default();
+    // Once the group cannot form, every rank still to come is told why as it arrives, so none
+    // waits out its timeout; rank 0 returns when all were told or at the deadline.
+    let mut adm = Admission::new(n, &cfg.job_id, secret.is_some(), &ours);
+    adm.fatal = own_error.map(|e| format!("rank 0's configuration is invalid: {e}"));
+    let mut told = vec![false; n];
+    told[0] = true;
+    loop {
+        let count = joined
+            .iter()
+            .flatten()
+            .filter(|j| j.awaiting.is_none())
+            .count();
+        if adm.fatal.is_none() && count == n - 1 {
+            // A rank whose connection died while it waited (it may be restarted) is not in.
+            let mut dead = false;
+            for (r, slot) in joined.iter_mut().enumerate() {
+                if slot.as_ref().is_some_and(|j| closed(&j.sock)) {
+                    log::warn!(
+                        "rank {r} left the rendezvous before the group formed; waiting for it to \
+                         join again"
+                    );
+                    *slot = None;
+                    dead = true;
+                }
+            }
+            if !dead {
+                break;
+            }
+        }
+        if let Some(f) = &adm.fatal {
+            if told.iter().all(|&t| t) || Instant::now() >= deadline {
+                return Err(match own_error {
+                    Some(e) => Error::Config(e.to_string()),
+                    None => Error::Bootstrap(f.clone()),
+                });
+            }
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (1..n).filter(|&r| joined[r].is_none()).collect();
+            let reason = format!(
+                "rank(s) {missing:?} of {n} never joined at {} within {:?}{}",
+                cfg.coordinator,
+                cfg.timeout,
+                strays.said()
+            );
+            for j in joined.iter_mut().flatten() {
+                let _ = j.sock.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = send_frame(&mut j.sock, ABORT, reason.as_bytes());
+            }
+            return Err(Error::Bootstrap(reason));
+        }
+        let mut busy = false;
+        // New connections: greeted with a challenge, then served as their bytes come; when
+        // MAX_PENDING are held, the oldest makes room (idle strangers cannot keep a rank out).
+        let mut accepted = 0;
+        while accepted < MAX_PENDING {
+            match listener.accept() {
+                Ok((s, from)) => {
+                    busy = true;
+                    accepted += 1;
+                    if pending.len() >= MAX_PENDING {
+                        evict_oldest(
+                            &mut pending,
+                            &mut strays,
+                            "closed unauthenticated: oldest of too many",
+                        );
+                    }
+                    let nonce = random::<KEY>();
+                    let _ = s.set_nodelay(true);
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    let mut s = s;
+                    if send_frame(&mut s, CHALLENGE, &nonce).is_err()
+                        || s.set_nonblocking(true).is_err()
+                    {
+                        strays.note(from, "closed before the challenge");
+                        continue;
+                    }
+                    pending.push(Pending {
+                        sock: s,
+                        from,
+                        buf: Vec::new(),
+                        nonce,
+                        until: Instant::now() + HELLO_WITHIN,
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if out_of_descriptors(&e) => {
+                    // Pause: the oldest unauthenticated connection gives its descriptor back.
+                    static SAID: crate::diag::Repeated = crate::diag::Repeated::new();
+                    if let Some(before) = SAID.allow() {
+                        log::warn!(
+                            "accept on {sa}: {e}; closing the oldest unauthenticated \
+                             connection and pausing ({before} times before)"
+                        );
+                    }
+                    evict_oldest(
+                        &mut pending,
+                        &mut strays,
+                        "closed unauthenticated: no descriptor left",
+                    );
+                    break;
+                }
+                Err(e) => return Err(Error::Bootstrap(format!("accept on {sa}: {e}"))),
+            }
+        }
+        let hello_limit = if secret.is_some() {
+            HELLO_BYTES
+        } else {
+            card_limit(n)
+        };
+        // Read what each has sent; a whole HELLO is judged at once.
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &mut pending[i];
+            let (moved, mut gone) = read_some(&mut p.sock, &mut p.buf, hello_limit);
+            busy |= moved;
+            let whole = match whole_frame(&p.buf, hello_limit) {
+                Ok(w) => w,
+                Err(why) => {
+                    gone = gone.or(Some(why));
+                    false
+                }
+            };
+            if gone.is_none() && !whole && Instant::now() < p.until {
+                i += 1;
+                continue;
+            }
+            let p = pending.swap_remove(i);
+            if !whole {
+                strays.note(p.from, gone.unwrap_or("sent no hello within 10 s"));
+                continue;
+            }
+            admit(p, secret, &mut adm, &mut joined, &mut strays, &mut told);
+        }
+        while pending.iter().map(|p| p.buf.capacity()).sum::<usize>() > PENDING_BYTES {
+            evict_oldest(
+                &mut pending,
+                &mut strays,
+                "closed unauthenticated: too many bytes held",
+            );
+        }
+        // With a secret, the cards of ranks that took rank 0's proof.
+        if let Some(k) = secret {
+            for (r, slot) in joined.iter_mut().enumerate() {
+                let Some(j) = slot.as_mut() else {
+                    continue;
+                };
+                let Some((buf, challenge, until)) = j.awaiting.as_mut() else {
+                    continue;
+                };
+                let _ = j.sock.set_nonblocking(true);
+                let (moved, mut gone) = read_some(&mut j.sock, buf, card_limit(n));
+                busy |= moved;
+                let mut card = None;
+                match whole_frame(buf, card_limit(n)) {
+                    Ok(true) => {
+                        let frame = &buf[5..];
+                        card = (buf[4] == CARD && frame.len() >= KEY)
+                            .then(|| frame.split_at(frame.len() - KEY))
+                            .filter(|(body, tag)| mac_ok(k, &[b"card", &challenge[..], body], tag))
+                            .and_then(|(body, _)| decode_card(body, n));
+                        gone = gone.or(card.is_none().then_some("a bad card"));
+                    }
+                    Ok(false) if gone.is_none() && Instant::now() < *until => continue,
+                    Ok(false) => gone = gone.or(Some("sent no card within 10 s")),
+                    Err(why) => gone = gone.or(Some(why)),
+                }
+                if let Some(c) = card {
+                    j.hello.card = c;
+                    j.awaiting = None;
+                    let _ = j.sock.set_nonblocking(false);
+                } else {
+                    // It may join again (a restarted rank).
+                    let why = gone.unwrap_or("a bad card");
+                    strays.note(
+                        j.sock.peer_addr().unwrap_or(sa),
+                        &format!("rank {r} authenticated, then {why}"),
+                    );
+                    *slot = None;
+                }
+            }
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    // Every rank is in: each gets its own table.
+    let session = random::<KEY>();
+    let mut full: Vec<Card> = vec![card.clone()];
+    let mut addrs: Vec<String> = vec![cfg.bind_addr.clone().unwrap_or_else(|| sa.ip().to_string())];
+    let mut socks: Vec<(TcpStream, [u8; KEY])> = Vec::with_capacity(n - 1);
+    for j in joined.into_iter().skip(1) {
+        let j = j.expect("every rank joined");
+        full.push(j.hello.card);
+        addrs.push(j.hello.addr);
+        socks.push((j.sock, j.hello.nonce));
+    }
+    // Every card was checked for n entries (decode_card; ours is the transport's own).
+    let no_entry =
+        |q: usize, r: usize| Error::Bootstrap(format!("rank {q}'s card has no entry for rank {r}"));
+    let cards: Vec<Vec<u8>> = (0..n)
+        .map(|q| full[q].for_rank(0).ok_or_else(|| no_entry(q, 0)))
+        .collect::<Result<_>>()?;
+    let mut streams: Vec<Option<TcpStream>> = vec![None];
+    for (i, (mut sock, nonce)) in socks.into_iter().enumerate() {
+        let r = i + 1;
+        let mut table = Vec::new();
+        table.extend_from_slice(&session);
+        for q in 0..n {
+            put_bytes(&mut table, addrs[q].as_bytes());
+            let entry = full[q].for_rank(r).ok_or_else(|| no_entry(q, r))?;
+            put_bytes(&mut table, &entry);
+        }
+        let tag = secret.map_or([0; KEY], |k| mac(k, &[&nonce, &table]));
+        table.extend_from_slice(&tag);
+        sock.set_nonblocking(false)?;
+        // A joiner that stops reading cannot hold rank 0 past its deadline.
+        let by = deadline.max(Instant::now() + Duration::from_secs(1));
+        send_frame_by(&mut sock, TABLE, &table, by).map_err(|e| Error::PeerFailed {
+            peer: crate::Peer {
+                rank: r,
+                addr: addrs[r].clone(),
+            },
+            reason: format!("sending its table: {e} (it stopped reading?)"),
+        })?;
+        sock.set_write_timeout(None)?;
+        streams.push(Some(sock));
+    }
+    Ok(Rendezvous {
+        cards,
+        addrs: addrs.clone(),
+        session,
+        side: SideChannel::new(0, streams, addrs, cfg.timeout),
+    })
+}
+
+/// Acts on rank 0's verdict ([`Admission::judge`]) on the whole HELLO of `p`: a stranger is
+/// refused, noted and closed; a rank of this job joins (with a secret, once rank 0 proved it);
+/// a conflict inside the job ends the rendezvous, and every rank that joined is told.
+fn admit(
+    mut p: Pending,
+    secret: Option<&[u8]>,
+    adm: &mut Admission,
+    joined: &mut [Option<Joined>],
+    strays: &mut Strays,
+    told: &mut [bool],
+) {
+    let n = joined.len();
+    let len = u32::from_le_bytes(p.buf[..4].try_into().expect("4 bytes")) as usize;
+    let frame = &p.buf[4..4 + len];
+    if frame[0] != HELLO || frame.len() < 1 + KEY {
+        strays.note(p.from, "not a hello");
+        return;
+    }
+    let (body, tag) = frame[1..].split_at(frame.len() - 1 - KEY);
+    let Some(mut h) = decode_hello(body) else {
+        strays.note(p.from, "a malformed hello");
+        return;
+    };
+    let _ = p.sock.set_nonblocking(false);
+    let _ = p.sock.set_write_timeout(Some(Duration::from_secs(1)));
+    let refuse = |s: &mut TcpStream, why: &str| {
+        let _ = send_frame(s, REJECT, why.as_bytes());
+    };
+    let authentic = secret.map_or(true, |k| mac_ok(k, &[&p.nonce, body], tag));
+    let addr = if h.addr.is_empty() {
+        p.from.ip().to_string()
+    } else {
+        h.addr.clone()
+    };
+    let rank = h.rank;
+    if let Some(old) = joined.get(rank).and_then(|j| j.as_ref()) {
+        if adm.of_this_job(&h, authentic) && closed(&old.sock) {
+            // A restarted rank: its first connection is dead, the new one takes its place.
+            log::warn!("rank {rank} joined again from {addr}; its first connection was closed");
+            joined[rank] = None;
+        }
+    }
+    let taken_by = joined
+        .get(rank)
+        .and_then(|j| j.as_ref())
+        .map(|j| j.hello.addr.clone());
+    match adm.judge(&h, authentic, &addr, taken_by.as_deref()) {
+        Verdict::Stray { reply, note } => {
+            refuse(&mut p.sock, &reply);
+            strays.note(p.from, &note);
+        }
+        Verdict::Told(why) => {
+            refuse(&mut p.sock, &why);
+            if rank < n {
+                told[rank] = true;
+            }
+        }
+        Verdict::Fatal(reason) => {
+            refuse(&mut p.sock, &reason);
+            for (r, j) in joined.iter_mut().enumerate() {
+                if let Some(j) = j.take() {
+                    let mut s = j.sock;
+                    let _ = send_frame(&mut s, ABORT, reason.as_bytes());
+                    told[r] = true;
+                }
+            }
+            if rank < n {
+                told[rank] = true;
+            }
+        }
+        Verdict::Join => {
+            h.addr = addr;
+            // With a secret, rank 0 proves it before the rank sends its card.
+            let awaiting = match secret {
+                Some(k) => {
+                    let proof = mac(k, &[b"rank 0", &h.nonce, &p.nonce]);
+                    if send_frame(&mut p.sock, PROOF, &proof).is_err()
+                        || p.sock.set_nonblocking(true).is_err()
+                    {
+                        strays.note(p.from, &format!("rank {rank} closed before rank 0's proof"));
+                        return;
+                    }
+                    Some((Vec::new(), p.nonce, Instant::now() + HELLO_WITHIN))
+                }
+                None => None,
+            };
+            joined[rank] = Some(Joined {
+                sock: p.sock,
+                hello: h,
+                awaiting,
+            });
+        }
+    }
+}
