@@ -51,6 +51,19 @@ pub fn all_to_all_pairwise_min(medium: Medium, n: usize) -> usize {
     }
 }
 
+/// Whether `Bcast::Auto` broadcasts `bytes` to `n` ranks as a binomial tree (fewer hops)
+/// rather than the pipelined chain. Measured on 4 ranks over lo-rxe: the tree up to 8 KiB on
+/// more than 2 ranks (docs/DESIGN.md).
+pub fn broadcast_tree(n: usize, bytes: usize) -> bool {
+    n > 2 && bytes <= 8 << 10
+}
+
+/// Whether a sum_scatter of `n` ranks runs as halving (recursive halving, log2(n) steps) rather
+/// than the ring: where `n` is a power of two.
+pub fn sum_scatter_halving(n: usize) -> bool {
+    n.is_power_of_two()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,5 +82,8 @@ mod tests {
         assert_eq!(all_to_all_pairwise_min(Medium::Tcp, 4), 8 << 20);
         assert_eq!(all_to_all_pairwise_min(Medium::Rdma, 8), usize::MAX);
         assert_eq!(all_to_all_pairwise_min(Medium::Rdma, 9), 1 << 20);
+        assert!(broadcast_tree(4, 8 << 10) && !broadcast_tree(4, (8 << 10) + 1));
+        assert!(!broadcast_tree(2, 8));
+        assert!(sum_scatter_halving(8) && !sum_scatter_halving(6));
     }
 }

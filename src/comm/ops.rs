@@ -196,7 +196,7 @@ impl Communicator for Comm {
             scratch.clear();
             scratch.extend_from_slice(input);
             l.lend(scratch);
-            if l.size().is_power_of_two() {
+            if tuning::sum_scatter_halving(l.size()) {
                 halving::reduce_scatter_halving(l, AllReduce::Sum, dtype, scratch)?;
             } else {
                 ring::reduce_scatter(l, AllReduce::Sum, dtype, scratch)?;
@@ -264,12 +264,10 @@ impl Communicator for Comm {
         if self.size == 1 {
             return self.alone("broadcast");
         }
-        // Auto (measured, 4 ranks on lo-rxe): the binomial tree up to 8 KiB on more than 2
-        // ranks (fewer hops), the pipelined chain above (see docs/DESIGN.md).
         let tree = match self.cfg.bcast {
             Bcast::Tree => true,
             Bcast::Chain => false,
-            Bcast::Auto => self.size > 2 && data.len() <= 8 << 10,
+            Bcast::Auto => tuning::broadcast_tree(self.size, data.len()),
         };
         let desc = OpDesc {
             root,
