@@ -515,3 +515,115 @@ fn a_test_does_not_wait_for_a_late_peer() {
         println!("{line}");
     }
 }
+
+/// Every blocking operation also starts in an overlap scope: gather, scatter, all_gather_v,
+/// all_to_allv, sum_scatter, reduce_scatter_v and a batch, all in flight at once, each checked
+/// against a scalar re-computation.
+fn every_operation_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let byte = |from: usize, to: usize, i: usize| (from * 31 + to * 7 + i) as u8;
+    let root = n - 1;
+    // gather: rank q's 5 values at the root; scatter: the root's block q to rank q.
+    let gin = filled(2, r, 5);
+    let mut gout = vec![0f32; if r == root { 5 * n } else { 0 }];
+    let sin: Vec<f32> = if r == root {
+        (0..n).flat_map(|q| filled(3, q, 4)).collect()
+    } else {
+        Vec::new()
+    };
+    let mut sout = vec![0f32; 4];
+    // all_gather_v: rank q brings q + 1 bytes.
+    let lens: Vec<usize> = (0..n).map(|q| q + 1).collect();
+    let vin: Vec<u8> = (0..=r).map(|i| byte(r, n, i)).collect();
+    let mut vout = vec![0u8; lens.iter().sum()];
+    // all_to_allv: rank p sends p + q + 1 bytes to q.
+    let send_lens: Vec<usize> = (0..n).map(|q| r + q + 1).collect();
+    let recv_lens: Vec<usize> = (0..n).map(|p| p + r + 1).collect();
+    let ain: Vec<u8> = (0..n)
+        .flat_map(|q| (0..send_lens[q]).map(move |i| byte(r, q, i)))
+        .collect();
+    let mut aout = vec![0u8; recv_lens.iter().sum()];
+    // sum_scatter of 3 values a rank; reduce_scatter_v (max) with parts of 2 + q floats.
+    let ssin = filled(4, r, 3 * n);
+    let mut ssout = vec![0f32; 3];
+    let parts: Vec<usize> = (0..n).map(|q| (2 + q) * 4).collect();
+    let rsin: Vec<u8> =
+        bytemuck::cast_slice(&filled(5, r, parts.iter().sum::<usize>() / 4)).to_vec();
+    let mut rsout = vec![0u8; parts[r]];
+    // A batch: a ring shift of 6 bytes.
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let bsend: Vec<u8> = (0..6).map(|i| byte(r, next, i)).collect();
+    let mut brecv = vec![0u8; 6];
+    let mut ops = vec![
+        rdmacomm::P2p::Send {
+            peer: next,
+            data: &bsend,
+        },
+        rdmacomm::P2p::Recv {
+            peer: prev,
+            data: &mut brecv,
+        },
+    ];
+    c.overlap(|s| -> rdmacomm::Result<()> {
+        let pg = s.gather(root, &gin, &mut gout)?;
+        let ps = s.scatter(root, &sin, &mut sout)?;
+        let pv = s.all_gather_v(&vin, &mut vout, &lens)?;
+        let pa = s.all_to_allv(&ain, &send_lens, &mut aout, &recv_lens)?;
+        let pss = s.sum_scatter(&ssin, &mut ssout)?;
+        let prs = s.reduce_scatter_v(AllReduce::Max, DType::f32, &rsin, &mut rsout, &parts)?;
+        let pb = s.batch(&mut ops)?;
+        // Waited out of order.
+        pb.wait()?;
+        prs.wait()?;
+        pss.wait()?;
+        pa.wait()?;
+        pv.wait()?;
+        ps.wait()?;
+        pg.wait()?;
+        Ok(())
+    })
+    .unwrap()
+    .unwrap();
+    drop(ops);
+    if r == root {
+        let want: Vec<f32> = (0..n).flat_map(|q| filled(2, q, 5)).collect();
+        assert_eq!(gout, want, "gather");
+    }
+    assert_eq!(sout, filled(3, r, 4), "scatter");
+    let want: Vec<u8> = (0..n)
+        .flat_map(|q| (0..=q).map(move |i| byte(q, n, i)))
+        .collect();
+    assert_eq!(vout, want, "all_gather_v");
+    let want: Vec<u8> = (0..n)
+        .flat_map(|p| (0..recv_lens[p]).map(move |i| byte(p, r, i)))
+        .collect();
+    assert_eq!(aout, want, "all_to_allv");
+    let want: Vec<f32> = (0..3)
+        .map(|i| (0..n).map(|q| val(4, q, r * 3 + i)).sum())
+        .collect();
+    assert_eq!(ssout, want, "sum_scatter");
+    let at: usize = parts[..r].iter().sum::<usize>() / 4;
+    let want: Vec<f32> = (at..at + parts[r] / 4)
+        .map(|i| (0..n).map(|q| val(5, q, i)).fold(f32::MIN, f32::max))
+        .collect();
+    assert_eq!(
+        bytemuck::cast_slice::<u8, f32>(&rsout),
+        &want[..],
+        "reduce_scatter_v"
+    );
+    let want: Vec<u8> = (0..6).map(|i| byte(prev, r, i)).collect();
+    assert_eq!(brecv, want, "batch");
+    println!("EVERY-OP-OK rank {r}");
+}
+
+#[test]
+fn every_operation_starts_in_an_overlap_scope() {
+    let name = "every_operation_starts_in_an_overlap_scope";
+    if !parent_ready(name, every_operation_body) {
+        return;
+    }
+    for n in [2, 3] {
+        spawn_local_ok(name, n, &[], Duration::from_secs(60));
+    }
+}

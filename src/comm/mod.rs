@@ -1,6 +1,7 @@
 //! [`Comm`]: the byte-level [`Communicator`] over a transport (RDMA, or TCP where there is none).
 
 mod ops;
+pub(crate) mod request;
 mod split;
 mod summary;
 

@@ -172,6 +172,21 @@ impl Algo {
         self as u8
     }
 
+    /// The setting whose [`Algo::code`] is `c` (`Auto` for any other number).
+    pub fn from_code(c: u8) -> Algo {
+        [
+            Algo::Ring,
+            Algo::Halving,
+            Algo::Doubling,
+            Algo::Auto,
+            Algo::Direct,
+            Algo::Hierarchical,
+        ]
+        .into_iter()
+        .find(|a| a.code() == c)
+        .unwrap_or(Algo::Auto)
+    }
+
     /// Parses `ring`, `halving`, `doubling`, `direct` or `auto`.
     pub fn parse(s: &str) -> Result<Algo> {
         Ok(match s {

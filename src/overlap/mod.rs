@@ -10,10 +10,8 @@
 mod job;
 pub(crate) mod queue;
 
-use crate::api::{
-    check_all_gather, check_all_reduce, check_all_to_all, check_peer, check_reduce_scatter_v,
-    check_root, Communicator,
-};
+use crate::api::{check_all_reduce, check_peer, check_root, Communicator, P2p};
+use crate::comm::request::Request;
 use crate::comm::{this_thread, Comm, ScopeHook};
 use crate::config::Progress;
 use crate::dtype::Element;
@@ -302,15 +300,27 @@ impl<'env> Overlap<'env> {
         })
     }
 
+    /// Checks `req` now, on the calling thread: a refusal is told to the peers, as a blocking
+    /// call's is.
+    fn check(&self, req: Request<'_, '_>) -> Result<()> {
+        req.check(self.comm.rank(), self.comm.size())
+            .map_err(|e| self.comm.refused(e))
+    }
+
     /// Starts [`Communicator::all_reduce`] of `data` (elements of `T`).
     pub fn all_reduce<T: Element + Send + Sync>(
         &self,
         data: &'env mut [T],
         op: AllReduce,
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        // Whole elements of `T::DTYPE` by their type.
+        // Whole elements of `T::DTYPE` by their type: nothing to check.
         self.start(move |c| {
-            let r = c.all_reduce_checked(op, T::DTYPE, bytemuck::cast_slice_mut(data));
+            let bytes = bytemuck::cast_slice_mut(data);
+            let r = c.run_checked(Request::AllReduce {
+                op,
+                dtype: T::DTYPE,
+                data: bytes,
+            });
             (r, data)
         })
     }
@@ -324,7 +334,14 @@ impl<'env> Overlap<'env> {
         data: &'env mut [u8],
     ) -> Result<Pending<'_, &'env mut [u8]>> {
         check_all_reduce(dtype, data).map_err(|e| self.comm.refused(e))?;
-        self.start(move |c| (c.all_reduce_checked(op, dtype, data), data))
+        self.start(move |c| {
+            let r = c.run_checked(Request::AllReduce {
+                op,
+                dtype,
+                data: &mut *data,
+            });
+            (r, data)
+        })
     }
 
     /// Starts [`Communicator::all_gather`] of `input` into `output` (handed back).
@@ -333,13 +350,39 @@ impl<'env> Overlap<'env> {
         input: &'env [T],
         output: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        let (i, o) = (bytemuck::cast_slice(input), bytemuck::cast_slice(output));
-        check_all_gather(self.comm.size(), i, o).map_err(|e| self.comm.refused(e))?;
+        let input = bytemuck::cast_slice(input);
+        self.check(Request::AllGather {
+            input,
+            output: bytemuck::cast_slice_mut(output),
+        })?;
         self.start(move |c| {
-            let r = c.all_gather(
-                bytemuck::cast_slice(input),
-                bytemuck::cast_slice_mut(output),
-            );
+            let r = c.run_checked(Request::AllGather {
+                input,
+                output: bytemuck::cast_slice_mut(output),
+            });
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::sum_scatter`]: rank r's `output` is the sum of every rank's
+    /// chunk r of `input` (`size * output.len()` elements).
+    pub fn sum_scatter<T: Element + Send + Sync>(
+        &self,
+        input: &'env [T],
+        output: &'env mut [T],
+    ) -> Result<Pending<'_, &'env mut [T]>> {
+        let input = bytemuck::cast_slice(input);
+        self.check(Request::SumScatter {
+            dtype: T::DTYPE,
+            input,
+            output: bytemuck::cast_slice_mut(output),
+        })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::SumScatter {
+                dtype: T::DTYPE,
+                input,
+                output: bytemuck::cast_slice_mut(output),
+            });
             (r, output)
         })
     }
@@ -353,23 +396,50 @@ impl<'env> Overlap<'env> {
         op: AllReduce,
     ) -> Result<Pending<'_, &'env mut [T]>> {
         let lens = vec![std::mem::size_of_val(output); self.comm.size()];
-        check_reduce_scatter_v(
-            self.comm.rank(),
-            self.comm.size(),
-            T::DTYPE,
-            bytemuck::cast_slice(input),
-            bytemuck::cast_slice(output),
-            &lens,
-        )
-        .map_err(|e| self.comm.refused(e))?;
+        let input = bytemuck::cast_slice(input);
+        self.check(Request::ReduceScatterV {
+            op,
+            dtype: T::DTYPE,
+            input,
+            output: bytemuck::cast_slice_mut(output),
+            lens: &lens,
+        })?;
         self.start(move |c| {
-            let r = c.reduce_scatter_v(
+            let r = c.run_checked(Request::ReduceScatterV {
                 op,
-                T::DTYPE,
-                bytemuck::cast_slice(input),
-                bytemuck::cast_slice_mut(output),
-                &lens,
-            );
+                dtype: T::DTYPE,
+                input,
+                output: bytemuck::cast_slice_mut(output),
+                lens: &lens,
+            });
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::reduce_scatter_v`] of bytes of `dtype` (`lens` in bytes).
+    pub fn reduce_scatter_v(
+        &self,
+        op: AllReduce,
+        dtype: DType,
+        input: &'env [u8],
+        output: &'env mut [u8],
+        lens: &'env [usize],
+    ) -> Result<Pending<'_, &'env mut [u8]>> {
+        self.check(Request::ReduceScatterV {
+            op,
+            dtype,
+            input,
+            output: &mut *output,
+            lens,
+        })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::ReduceScatterV {
+                op,
+                dtype,
+                input,
+                output: &mut *output,
+                lens,
+            });
             (r, output)
         })
     }
@@ -381,7 +451,13 @@ impl<'env> Overlap<'env> {
         root: usize,
     ) -> Result<Pending<'_, &'env mut [T]>> {
         check_root(root, self.comm.size()).map_err(|e| self.comm.refused(e))?;
-        self.start(move |c| (c.broadcast(root, bytemuck::cast_slice_mut(data)), data))
+        self.start(move |c| {
+            let r = c.run_checked(Request::Broadcast {
+                root,
+                data: bytemuck::cast_slice_mut(data),
+            });
+            (r, data)
+        })
     }
 
     /// Starts [`Communicator::reduce`] of `data` to `root`.
@@ -393,8 +469,81 @@ impl<'env> Overlap<'env> {
     ) -> Result<Pending<'_, &'env mut [T]>> {
         check_root(root, self.comm.size()).map_err(|e| self.comm.refused(e))?;
         self.start(move |c| {
-            let r = c.reduce(root, op, T::DTYPE, bytemuck::cast_slice_mut(data));
+            let r = c.run_checked(Request::Reduce {
+                root,
+                op,
+                dtype: T::DTYPE,
+                data: bytemuck::cast_slice_mut(data),
+            });
             (r, data)
+        })
+    }
+
+    /// Starts [`Communicator::gather`] of every rank's `input` into `output` on `root`.
+    pub fn gather<T: Element + Send + Sync>(
+        &self,
+        root: usize,
+        input: &'env [T],
+        output: &'env mut [T],
+    ) -> Result<Pending<'_, &'env mut [T]>> {
+        let input = bytemuck::cast_slice(input);
+        self.check(Request::Gather {
+            root,
+            input,
+            output: bytemuck::cast_slice_mut(output),
+        })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::Gather {
+                root,
+                input,
+                output: bytemuck::cast_slice_mut(output),
+            });
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::scatter`] of `root`'s `input` into every rank's `output`.
+    pub fn scatter<T: Element + Send + Sync>(
+        &self,
+        root: usize,
+        input: &'env [T],
+        output: &'env mut [T],
+    ) -> Result<Pending<'_, &'env mut [T]>> {
+        let input = bytemuck::cast_slice(input);
+        self.check(Request::Scatter {
+            root,
+            input,
+            output: bytemuck::cast_slice_mut(output),
+        })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::Scatter {
+                root,
+                input,
+                output: bytemuck::cast_slice_mut(output),
+            });
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::all_gather_v`] (bytes; rank q's `input` is `lens[q]` bytes).
+    pub fn all_gather_v(
+        &self,
+        input: &'env [u8],
+        output: &'env mut [u8],
+        lens: &'env [usize],
+    ) -> Result<Pending<'_, &'env mut [u8]>> {
+        self.check(Request::AllGatherV {
+            input,
+            output: &mut *output,
+            lens,
+        })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::AllGatherV {
+                input,
+                output: &mut *output,
+                lens,
+            });
+            (r, output)
         })
     }
 
@@ -404,13 +553,41 @@ impl<'env> Overlap<'env> {
         input: &'env [T],
         output: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        let (i, o) = (bytemuck::cast_slice(input), bytemuck::cast_slice(output));
-        check_all_to_all(self.comm.size(), i, o).map_err(|e| self.comm.refused(e))?;
+        let input = bytemuck::cast_slice(input);
+        self.check(Request::AllToAll {
+            input,
+            output: bytemuck::cast_slice_mut(output),
+        })?;
         self.start(move |c| {
-            let r = c.all_to_all(
-                bytemuck::cast_slice(input),
-                bytemuck::cast_slice_mut(output),
-            );
+            let r = c.run_checked(Request::AllToAll {
+                input,
+                output: bytemuck::cast_slice_mut(output),
+            });
+            (r, output)
+        })
+    }
+
+    /// Starts [`Communicator::all_to_allv`] (bytes; block lengths in bytes).
+    pub fn all_to_allv(
+        &self,
+        input: &'env [u8],
+        send_lens: &'env [usize],
+        output: &'env mut [u8],
+        recv_lens: &'env [usize],
+    ) -> Result<Pending<'_, &'env mut [u8]>> {
+        self.check(Request::AllToAllV {
+            input,
+            send_lens,
+            output: &mut *output,
+            recv_lens,
+        })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::AllToAllV {
+                input,
+                send_lens,
+                output: &mut *output,
+                recv_lens,
+            });
             (r, output)
         })
     }
@@ -421,9 +598,9 @@ impl<'env> Overlap<'env> {
         dst: usize,
         data: &'env [T],
     ) -> Result<Pending<'_, ()>> {
-        check_peer("send", self.comm.rank(), self.comm.size(), dst)
-            .map_err(|e| self.comm.refused(e))?;
-        self.start(move |c| (c.send(dst, bytemuck::cast_slice(data)), ()))
+        let data = bytemuck::cast_slice(data);
+        self.check(Request::Send { dst, data })?;
+        self.start(move |c| (c.run_checked(Request::Send { dst, data }), ()))
     }
 
     /// Starts [`Communicator::recv`] into `data` from `src`.
@@ -434,7 +611,13 @@ impl<'env> Overlap<'env> {
     ) -> Result<Pending<'_, &'env mut [T]>> {
         check_peer("recv", self.comm.rank(), self.comm.size(), src)
             .map_err(|e| self.comm.refused(e))?;
-        self.start(move |c| (c.recv(src, bytemuck::cast_slice_mut(data)), data))
+        self.start(move |c| {
+            let r = c.run_checked(Request::Recv {
+                src,
+                data: bytemuck::cast_slice_mut(data),
+            });
+            (r, data)
+        })
     }
 
     /// Starts [`Communicator::sendrecv`]: `send` to `dst` while `recv` comes from `src`.
@@ -445,24 +628,40 @@ impl<'env> Overlap<'env> {
         src: usize,
         recv: &'env mut [T],
     ) -> Result<Pending<'_, &'env mut [T]>> {
-        let (me, n) = (self.comm.rank(), self.comm.size());
-        check_peer("send", me, n, dst).map_err(|e| self.comm.refused(e))?;
-        check_peer("recv", me, n, src).map_err(|e| self.comm.refused(e))?;
+        let send = bytemuck::cast_slice(send);
+        self.check(Request::SendRecv {
+            dst,
+            send,
+            src,
+            recv: bytemuck::cast_slice_mut(recv),
+        })?;
         self.start(move |c| {
-            let r = c.sendrecv(
+            let r = c.run_checked(Request::SendRecv {
                 dst,
-                bytemuck::cast_slice(send),
+                send,
                 src,
-                bytemuck::cast_slice_mut(recv),
-            );
+                recv: bytemuck::cast_slice_mut(recv),
+            });
             (r, recv)
+        })
+    }
+
+    /// Starts [`Communicator::batch`] of `ops` (handed back).
+    pub fn batch<'o: 'env>(
+        &self,
+        ops: &'env mut [P2p<'o>],
+    ) -> Result<Pending<'_, &'env mut [P2p<'o>]>> {
+        self.check(Request::Batch { ops: &mut *ops })?;
+        self.start(move |c| {
+            let r = c.run_checked(Request::Batch { ops: &mut *ops });
+            (r, ops)
         })
     }
 
     /// Starts [`Communicator::barrier`].
     #[inline]
     pub fn barrier(&self) -> Result<Pending<'_, ()>> {
-        self.start(move |c| (c.barrier(), ()))
+        self.start(move |c| (c.run_checked(Request::Barrier), ()))
     }
 }
 
