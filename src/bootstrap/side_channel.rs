@@ -156,15 +156,46 @@ impl SideChannel {
     /// rank to blame (the one the error names, or this one) and the cause, instead of a
     /// connection that closed. Nothing is told if a failure was already learned.
     pub fn told<T>(&mut self, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
-            if self.failure.is_none() {
-                let blamed = e.peer().map_or(self.rank, |p| p.rank);
-                let why = format!("rank {} could not set up its transport: {e}", self.rank);
-                self.record_failure(blamed, why.clone());
-                self.abort(blamed, &why);
+        let Err(e) = r else { return r };
+        if self.failure.is_none() {
+            // It may be the echo of another rank's failure (a segment gone with its process):
+            // what that rank told arrives within moments, and is the cause to name.
+            self.learn_for(Duration::from_millis(250));
+            if let Some((failed, why)) = self.failure.clone() {
+                return Err(Error::PeerFailed {
+                    peer: self.peer(failed),
+                    reason: why,
+                });
             }
+            let blamed = e.peer().map_or(self.rank, |p| p.rank);
+            let why = format!("rank {} could not set up its transport: {e}", self.rank);
+            self.record_failure(blamed, why.clone());
+            self.abort(blamed, &why);
         }
-        r
+        Err(e)
+    }
+
+    /// Reads (rank 0: and relays) what arrives for up to `d` or until a failure is learned,
+    /// during set-up (the connections block then: they are read without blocking meanwhile).
+    fn learn_for(&mut self, d: Duration) {
+        if self.relay.is_some() {
+            return;
+        }
+        let set = |streams: &[Option<TcpStream>], nb: bool| {
+            for s in streams.iter().flatten() {
+                let _ = s.set_nonblocking(nb);
+            }
+        };
+        set(&self.streams, true);
+        let until = Instant::now() + d;
+        loop {
+            self.poll();
+            if self.failure.is_some() || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        set(&self.streams, false);
     }
 
     /// Switches to non-blocking mode (after the connect barrier) with TCP keepalive, so a
@@ -436,6 +467,11 @@ impl SideChannel {
         timeout: Duration,
     ) -> Self {
         let n = streams.len();
+        // Until they turn non-blocking, a frame to a peer that reads nothing fails after this
+        // rather than blocking (send_frame_nb then shuts a half-written one down).
+        for s in streams.iter().flatten() {
+            let _ = s.set_write_timeout(Some(FRAME_WITHIN));
+        }
         SideChannel {
             rank,
             streams,

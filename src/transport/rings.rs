@@ -278,10 +278,13 @@ impl Pending {
                 rank: p,
                 addr: addrs[p].clone(),
             };
-            // This rank's own failure (its user, PID namespace or host differs from p's).
-            theirs.push(Some(Segment::open(path, len).map_err(|reason| {
+            // This rank's own failure (its user, PID namespace or host differs from p's), told
+            // while its own segment is still open: a peer that opens it later then fails naming
+            // this cause, not a segment gone.
+            let seg = Segment::open(path, len).map_err(|reason| {
                 Error::Config(format!("rank {} ({}): {reason}", peer.rank, peer.addr))
-            })?));
+            });
+            theirs.push(Some(side.told(seg)?));
         }
         // Every rank has mapped every segment it needs: nobody opens ours again.
         side.barrier()?;
