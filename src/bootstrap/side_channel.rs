@@ -158,8 +158,19 @@ impl SideChannel {
     pub fn told<T>(&mut self, r: Result<T>) -> Result<T> {
         let Err(e) = r else { return r };
         if self.failure.is_none() {
-            // It may be the echo of another rank's failure (a segment gone with its process):
-            // what that rank told arrives within moments, and is the cause to name.
+            let blamed = e.peer().map_or(self.rank, |p| p.rank);
+            let why = format!("rank {} could not set up its transport: {e}", self.rank);
+            self.record_failure(blamed, why.clone());
+            self.abort(blamed, &why);
+        }
+        Err(e)
+    }
+
+    /// [`SideChannel::told`] for a step whose failure may be the echo of another rank's (a
+    /// peer's segment gone with the peer that failed first): what that rank told arrives within
+    /// moments (250 ms are allowed), and is then the error, naming that rank and its cause.
+    pub fn told_or_echo<T>(&mut self, r: Result<T>) -> Result<T> {
+        if r.is_err() && self.failure.is_none() {
             self.learn_for(Duration::from_millis(250));
             if let Some((failed, why)) = self.failure.clone() {
                 return Err(Error::PeerFailed {
@@ -167,12 +178,8 @@ impl SideChannel {
                     reason: why,
                 });
             }
-            let blamed = e.peer().map_or(self.rank, |p| p.rank);
-            let why = format!("rank {} could not set up its transport: {e}", self.rank);
-            self.record_failure(blamed, why.clone());
-            self.abort(blamed, &why);
         }
-        Err(e)
+        self.told(r)
     }
 
     /// Reads (rank 0: and relays) what arrives for up to `d` or until a failure is learned,

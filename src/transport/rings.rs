@@ -284,7 +284,7 @@ impl Pending {
             let seg = Segment::open(path, len).map_err(|reason| {
                 Error::Config(format!("rank {} ({}): {reason}", peer.rank, peer.addr))
             });
-            theirs.push(Some(side.told(seg)?));
+            theirs.push(Some(side.told_or_echo(seg)?));
         }
         // Every rank has mapped every segment it needs: nobody opens ours again.
         side.barrier()?;
