@@ -40,7 +40,11 @@ fn all_reduce_checked(algo: Algo, n: usize, slots: usize, chunk: usize, hosts: O
                     Algo::Doubling => halving::all_reduce_doubling(l, op, t, &mut d, &mut scratch),
                     Algo::Direct => direct::all_reduce_direct(l, op, t, &mut d, &mut scratch),
                     _ => {
-                        let layout = l.hosts().and_then(|h| hier::Layout::of(h, r));
+                        let layout = l
+                            .props()
+                            .hosts
+                            .as_deref()
+                            .and_then(|h| hier::Layout::of(h, r));
                         hier::all_reduce(l, layout.as_ref(), op, t, &mut d, &mut scratch)
                     }
                 }

@@ -15,7 +15,7 @@ pub fn broadcast(link: &mut dyn Link, root: usize, data: &mut [u8]) -> Result<()
     let v = (r + n - root) % n;
     let prev = (r + n - 1) % n;
     let next = (r + 1) % n;
-    let seg = link.max_chunk();
+    let seg = link.props().max_chunk;
     let len = data.len();
     let pieces = len.div_ceil(seg).max(1);
     let piece = |i: usize| (i * seg).min(len)..((i + 1) * seg).min(len);

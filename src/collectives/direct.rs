@@ -22,7 +22,7 @@ pub fn all_reduce_direct(
     scratch.clear();
     scratch.extend_from_slice(data);
     let esize = dtype.size();
-    let seg = (link.max_chunk() / esize * esize).max(esize);
+    let seg = (link.props().max_chunk / esize * esize).max(esize);
     let len = data.len();
     let pieces = len.div_ceil(seg).max(1);
     link.begin();

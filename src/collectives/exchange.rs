@@ -93,7 +93,7 @@ const NONE: usize = usize::MAX;
 /// its next chunk, then the same for receives. Only the plan's peers' entries are touched, so a
 /// call costs its messages, not the world size.
 pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usize>) -> Result<()> {
-    let max = link.max_chunk();
+    let max = link.props().max_chunk;
     let n = link.size();
     if state.len() < 4 * n {
         state.resize(4 * n, NONE);
@@ -123,7 +123,7 @@ pub(crate) fn run(link: &mut dyn Link, plan: &mut dyn Plan, state: &mut Vec<usiz
         in_at[p] = i;
         in_chunk[p] = 0;
     }
-    let one_post = link.takes_return_credits();
+    let one_post = link.props().takes_return_credits;
     link.begin();
     loop {
         let mut did = false;

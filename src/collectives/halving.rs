@@ -30,13 +30,13 @@ fn exchange(
     reduce: Option<(AllReduce, DType)>,
     esize: usize,
 ) -> Result<()> {
-    let seg = (link.max_chunk() / esize * esize).max(esize);
+    let seg = (link.props().max_chunk / esize * esize).max(esize);
     let pieces = |len: usize| len.div_ceil(seg).max(1);
     let piece = |i: usize, len: usize| (i * seg).min(len)..((i + 1) * seg).min(len);
     let ns = send.map_or(0, |s| pieces(s.len()));
     let nr = recv.as_ref().map_or(0, |r| pieces(r.len()));
     let (mut si, mut ri) = (0, 0);
-    let one_post = link.takes_return_credits();
+    let one_post = link.props().takes_return_credits;
     link.begin();
     while si < ns || ri < nr {
         let mut did = false;
@@ -292,7 +292,7 @@ fn exchange_reduce(
     tmp: &mut Vec<u8>,
 ) -> Result<()> {
     let esize = dtype.size();
-    let seg = (link.max_chunk() / esize * esize).max(esize);
+    let seg = (link.props().max_chunk / esize * esize).max(esize);
     let len = data.len();
     let pieces = len.div_ceil(seg).max(1);
     let piece = |i: usize| (i * seg).min(len)..((i + 1) * seg).min(len);
@@ -300,7 +300,7 @@ fn exchange_reduce(
         tmp.resize(seg.min(len), 0);
     }
     let (mut si, mut ri) = (0, 0);
-    let one_post = link.takes_return_credits();
+    let one_post = link.props().takes_return_credits;
     link.begin();
     while si < pieces || ri < pieces {
         let mut did = false;
@@ -313,7 +313,7 @@ fn exchange_reduce(
         }
         if ri < si {
             let dst = &mut data[piece(ri)];
-            link.settle(dst)?;
+            crate::transport::settle(link, dst)?;
             let got = link.try_take(peer, &mut |src: &[u8]| {
                 if !upper {
                     return land(dst, src, Some((op, dtype)), peer);

@@ -10,7 +10,7 @@ use crate::collectives::{tuning, Algo};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Peer, Result};
 use crate::transport::op::{OpDesc, Scope};
-use crate::transport::Link;
+use crate::transport::{Link, Props};
 
 /// Where a rank stands in a regular layout of `hosts` (every host with the same number of
 /// ranks, at least two hosts and two ranks each): the ranks of its host and the ranks of its
@@ -56,27 +56,27 @@ impl Layout {
 struct View<'a> {
     link: &'a mut dyn Link,
     ranks: &'a [usize],
-    me: usize,
+    props: Props,
+}
+
+impl<'a> View<'a> {
+    /// The ranks `ranks` of `link`, this rank being `ranks[me]`.
+    fn new(link: &'a mut dyn Link, ranks: &'a [usize], me: usize) -> View<'a> {
+        let props = Props {
+            takes_return_credits: link.props().takes_return_credits,
+            ..Props::new(me, ranks.len(), link.props().max_chunk, link.props().medium)
+        };
+        View { link, ranks, props }
+    }
 }
 
 impl Link for View<'_> {
-    fn rank(&self) -> usize {
-        self.me
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
     }
-    fn size(&self) -> usize {
-        self.ranks.len()
-    }
+
     fn peer(&self, rank: usize) -> Peer {
         self.link.peer(self.ranks[rank])
-    }
-    fn max_chunk(&self) -> usize {
-        self.link.max_chunk()
-    }
-    fn medium(&self) -> crate::transport::Medium {
-        self.link.medium()
-    }
-    fn takes_return_credits(&self) -> bool {
-        self.link.takes_return_credits()
     }
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
         self.link.try_post(self.ranks[peer], data)
@@ -99,8 +99,8 @@ impl Link for View<'_> {
     fn start(&mut self, _op: &OpDesc, _scope: Scope) {
         // The whole operation was started on the underlying link; its steps start nothing.
     }
-    fn settle(&mut self, range: &[u8]) -> Result<()> {
-        self.link.settle(range)
+    fn lending(&mut self) -> Option<&mut dyn crate::transport::Lending> {
+        self.link.lending()
     }
 }
 
@@ -116,37 +116,25 @@ pub fn all_reduce(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let Some(l) = layout else {
-        let dmax = tuning::doubling_max(link.medium(), link.size());
+        let dmax = tuning::doubling_max(link.props().medium, link.size());
         let algo = Algo::Auto.choose(link.size(), data.len(), dmax, false, false);
         return flat(link, algo, op, dtype, data, scratch);
     };
     let es = dtype.size();
     let parts = chunks(data.len() / es, l.local.len(), es);
     {
-        let mut host = View {
-            link: &mut *link,
-            ranks: &l.local,
-            me: l.local_index,
-        };
+        let mut host = View::new(&mut *link, &l.local, l.local_index);
         ring::reduce_scatter_in(&mut host, op, dtype, data, parts)?;
     }
     let (off, len) = parts.get(l.local_index);
     {
-        let mut across = View {
-            link: &mut *link,
-            ranks: &l.cross,
-            me: l.cross_index,
-        };
+        let mut across = View::new(&mut *link, &l.cross, l.cross_index);
         let part = &mut data[off..off + len];
-        let dmax = tuning::doubling_max(across.medium(), l.cross.len());
+        let dmax = tuning::doubling_max(across.props().medium, l.cross.len());
         let algo = Algo::Auto.choose(l.cross.len(), len, dmax, false, false);
         flat(&mut across, algo, op, dtype, part, scratch)?;
     }
-    let mut host = View {
-        link,
-        ranks: &l.local,
-        me: l.local_index,
-    };
+    let mut host = View::new(link, &l.local, l.local_index);
     ring::all_gather_in(&mut host, data, parts)
 }
 

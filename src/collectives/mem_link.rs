@@ -18,7 +18,7 @@ pub(crate) struct MemLink {
     queues: Arc<Vec<Mutex<VecDeque<Vec<u8>>>>>,
     slots: usize,
     chunk: usize,
-    hosts: Option<Vec<usize>>,
+    props: crate::transport::Props,
     idle_since: Instant,
 }
 
@@ -35,7 +35,10 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
             queues: queues.clone(),
             slots,
             chunk,
-            hosts: hosts.map(<[usize]>::to_vec),
+            props: crate::transport::Props {
+                hosts: hosts.map(<[usize]>::to_vec),
+                ..crate::transport::Props::new(me, n, chunk, crate::transport::Medium::Memory)
+            },
             idle_since: Instant::now(),
         })
         .collect()
@@ -68,26 +71,15 @@ impl MemLink {
 }
 
 impl Link for MemLink {
-    fn rank(&self) -> usize {
-        self.me
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
     }
-    fn size(&self) -> usize {
-        self.n
-    }
+
     fn peer(&self, rank: usize) -> Peer {
         Peer {
             rank,
             addr: "memory".into(),
         }
-    }
-    fn max_chunk(&self) -> usize {
-        self.chunk
-    }
-    fn medium(&self) -> crate::transport::Medium {
-        crate::transport::Medium::Memory
-    }
-    fn hosts(&self) -> Option<&[usize]> {
-        self.hosts.as_deref()
     }
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
         assert!(peer != self.me && peer < self.n, "post to {peer}");

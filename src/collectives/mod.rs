@@ -97,7 +97,7 @@ pub(crate) fn take(
     match reduce {
         None => link.try_take_into(from, dst),
         Some(_) => {
-            link.settle(dst)?;
+            crate::transport::settle(link, dst)?;
             link.try_take(from, &mut |src: &[u8]| land(dst, src, reduce, from))
         }
     }

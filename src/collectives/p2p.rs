@@ -7,7 +7,7 @@ use crate::transport::Link;
 
 /// Sends `data` to `dst`; returns when every chunk is posted (the data has been staged).
 pub fn send(link: &mut dyn Link, dst: usize, data: &[u8]) -> Result<()> {
-    let max = link.max_chunk();
+    let max = link.props().max_chunk;
     link.begin();
     for i in 0..pieces(data.len(), max) {
         let part = &data[(i * max).min(data.len())..((i + 1) * max).min(data.len())];
@@ -20,7 +20,7 @@ pub fn send(link: &mut dyn Link, dst: usize, data: &[u8]) -> Result<()> {
 
 /// Receives exactly `data.len()` bytes from `src`.
 pub fn recv(link: &mut dyn Link, src: usize, data: &mut [u8]) -> Result<()> {
-    let max = link.max_chunk();
+    let max = link.props().max_chunk;
     let total = data.len();
     link.begin();
     for i in 0..pieces(total, max) {

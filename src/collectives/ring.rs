@@ -98,7 +98,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     let right = (rank + 1) % n;
     let left = (rank + n - 1) % n;
     let max_chunk_len = plan.chunks.max_len();
-    let seg = (link.max_chunk() / plan.esize * plan.esize).max(plan.esize);
+    let seg = (link.props().max_chunk / plan.esize * plan.esize).max(plan.esize);
     let nseg = max_chunk_len.div_ceil(seg).max(1);
     let chunk_at = |s: usize| (rank + plan.shift + n * plan.steps - s) % n;
     let seg_range = |c: usize, j: usize| {
@@ -109,7 +109,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     };
     let total = plan.steps * nseg;
     let (mut sent, mut recvd) = (0usize, 0usize);
-    let one_post = link.takes_return_credits();
+    let one_post = link.props().takes_return_credits;
     link.begin();
     while recvd < total || sent < total {
         let mut did = false;

@@ -32,7 +32,7 @@ pub fn reduce_tree(
         scratch.extend_from_slice(data);
         scratch
     };
-    let max = link.max_chunk() / dtype.size() * dtype.size();
+    let max = link.props().max_chunk / dtype.size() * dtype.size();
     let max = max.max(dtype.size());
     let mut k = 1;
     while k < n {

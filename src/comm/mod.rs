@@ -132,11 +132,14 @@ impl Comm {
     }
 
     fn with_link_of(cfg: Config, mut link: Option<Box<dyn Transport>>, algo: Algo) -> Comm {
-        let layout = link
-            .as_ref()
-            .and_then(|l| l.hosts().and_then(|h| hier::Layout::of(h, l.rank())));
+        let layout = link.as_ref().and_then(|l| {
+            l.props()
+                .hosts
+                .as_deref()
+                .and_then(|h| hier::Layout::of(h, l.rank()))
+        });
         let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
-        let medium = link.as_ref().map(|l| l.medium());
+        let medium = link.as_ref().map(|l| l.props().medium);
         let described = link.as_ref().map(|l| l.describe());
         if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
             summarise(&cfg, l.local_rank(), d, algo);
@@ -327,7 +330,9 @@ impl Comm {
         let r = catch_unwind(AssertUnwindSafe(|| {
             f(&mut *link, scratch).and_then(|v| crate::collectives::pause::finish(link).map(|_| v))
         }));
-        link.release();
+        if let Some(l) = link.lending() {
+            l.release();
+        }
         match r {
             Ok(mut r) => {
                 if let Err(Error::Aborted { by, reason }) = &mut r {

@@ -47,7 +47,7 @@ impl Communicator for Comm {
         f: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
         self.alone("with_registered")?;
-        let id = match self.lock().link.as_deref_mut() {
+        let id = match self.lock().link.as_deref_mut().and_then(|l| l.lending()) {
             // SAFETY: `buf` is borrowed mutably for this whole call, and `_end` below ends the
             // registration before the call returns or unwinds: it stays allocated and in place
             // while registered.
@@ -62,7 +62,9 @@ impl Communicator for Comm {
                 // link until a call moves them).
                 self.0.wait_started_ones();
                 if let (Some(id), Some(l)) = (self.1, self.0.lock().link.as_deref_mut()) {
-                    l.unregister(id);
+                    if let Some(l) = l.lending() {
+                        l.unregister(id);
+                    }
                 }
             }
         }

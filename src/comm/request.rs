@@ -358,7 +358,9 @@ impl Request<'_, '_> {
             Request::AllGather { input, output } => {
                 let n = input.len();
                 crate::copy::copy(&mut output[l.rank() * n..(l.rank() + 1) * n], input);
-                l.lend(output);
+                if let Some(z) = l.lending() {
+                    z.lend(output);
+                }
                 ring::all_gather(l, output)
             }
             Request::SumScatter {
@@ -368,7 +370,9 @@ impl Request<'_, '_> {
             } => {
                 scratch.clear();
                 scratch.extend_from_slice(input);
-                l.lend(scratch);
+                if let Some(z) = l.lending() {
+                    z.lend(scratch);
+                }
                 if tuning::sum_scatter_halving(l.size()) {
                     halving::reduce_scatter_halving(l, AllReduce::Sum, dtype, scratch)?;
                 } else {
@@ -384,7 +388,9 @@ impl Request<'_, '_> {
                     Bcast::Chain => false,
                     Bcast::Auto => tuning::broadcast_tree(l.size(), data.len()),
                 };
-                l.lend(data);
+                if let Some(z) = l.lending() {
+                    z.lend(data);
+                }
                 if tree {
                     bcast::broadcast_tree(l, root, data)
                 } else {
@@ -393,7 +399,9 @@ impl Request<'_, '_> {
             }
             Request::Barrier => bcast::barrier(l),
             Request::Send { dst, data } => {
-                l.lend(data);
+                if let Some(z) = l.lending() {
+                    z.lend(data);
+                }
                 p2p::send(l, dst, data)
             }
             Request::Recv { src, data } => p2p::recv(l, src, data),
@@ -512,11 +520,13 @@ fn all_reduce(
     l: &mut dyn Link,
     scratch: &mut Scratch,
 ) -> Result<()> {
-    l.lend(data);
+    if let Some(z) = l.lending() {
+        z.lend(data);
+    }
     // Whole elements per slice; each slice is an all_reduce of its own, its algorithm chosen by
     // its size, so every rank still gets the same bits, run to run.
     let es = dtype.size();
-    let slice = (tuning::slice_bytes(l.medium()) / es).max(1) * es;
+    let slice = (tuning::slice_bytes(l.props().medium) / es).max(1) * es;
     let mut rest = data;
     loop {
         let (part, tail) = rest.split_at_mut(rest.len().min(slice));
@@ -526,8 +536,8 @@ fn all_reduce(
         let (n, len, dmax, shared) = (
             l.size(),
             part.len(),
-            tuning::doubling_max(l.medium(), l.size()),
-            l.shares_memory(),
+            tuning::doubling_max(l.props().medium, l.size()),
+            l.props().shares_memory,
         );
         match algo.choose(n, len, dmax, shared, layout.is_some()) {
             Algo::Hierarchical => hier::all_reduce(l, layout, op, dtype, part, scratch)?,

@@ -175,7 +175,7 @@ impl Comm {
             return Some(members.len());
         }
         let g = self.lock();
-        let hosts = g.link.as_ref()?.hosts()?;
+        let hosts = g.link.as_ref()?.props().hosts.as_deref()?;
         let mine = *hosts.get(self.rank)?;
         Some(
             members

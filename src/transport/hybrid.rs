@@ -15,7 +15,7 @@ use crate::transport::op::{OpDesc, Scope};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::rings::{slots_for, Pending, Rings};
 use crate::transport::shm::{blame, NAP, SPIN, YIELD};
-use crate::transport::{rdma, tcp, Link, Transport};
+use crate::transport::{rdma, tcp, Lending, Link, Props, Transport};
 use std::time::Duration;
 
 /// A network transport with shared memory to same-host peers.
@@ -26,6 +26,7 @@ pub struct HybridTransport {
     /// Paces waits on same-host peers (the network transport paces its own).
     pacer: Pacer,
     timeout: Duration,
+    props: Props,
 }
 
 /// Connects RDMA (`rdma`) or TCP to every rank through `meet`, with shared memory to the ranks on
@@ -78,19 +79,26 @@ pub fn connect_with(
     };
     Ok(match rings {
         Some(rings) if rings.peers() > 0 => {
-            if rings.chunk() != net.max_chunk() {
+            if rings.chunk() != net.props().max_chunk {
                 // The rings were sized before the network was up; they must carry its chunks.
                 let why = format!(
                     "shared-memory rings of {} B chunks beside a network of {} B chunks",
                     rings.chunk(),
-                    net.max_chunk()
+                    net.props().max_chunk
                 );
                 net.abort(why.clone());
                 return Err(crate::Error::Bootstrap(why));
             }
             let crowded = crowded || rings.peers() + 1 > cores();
             let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
+            let props = Props {
+                hosts: Some(rings.hosts().to_vec()),
+                // A take on a ring frees the peer's slot at once: its next post may wait for it.
+                takes_return_credits: true,
+                ..net.props().clone()
+            };
             Box::new(HybridTransport {
+                props,
                 net,
                 rings,
                 pacer,
@@ -147,27 +155,12 @@ impl HybridTransport {
 }
 
 impl Link for HybridTransport {
-    fn rank(&self) -> usize {
-        self.net.rank()
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
     }
-    fn size(&self) -> usize {
-        self.net.size()
-    }
+
     fn peer(&self, rank: usize) -> Peer {
         self.net.peer(rank)
-    }
-    fn max_chunk(&self) -> usize {
-        self.net.max_chunk()
-    }
-    fn medium(&self) -> crate::transport::Medium {
-        self.net.medium()
-    }
-    fn hosts(&self) -> Option<&[usize]> {
-        Some(self.rings.hosts())
-    }
-    fn takes_return_credits(&self) -> bool {
-        // A take on a ring frees the peer's slot at once: its next post may be waiting for it.
-        true
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
@@ -247,26 +240,9 @@ impl Link for HybridTransport {
         self.rings.start(op, scope);
     }
 
-    fn lend(&mut self, buf: &[u8]) {
-        self.net.lend(buf);
-    }
-
-    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
-        // SAFETY: the caller's contract is passed on unchanged.
-        unsafe { self.net.register(buf) }
-    }
-
-    fn unregister(&mut self, id: u64) {
-        self.net.unregister(id);
-    }
-
-    fn settle(&mut self, range: &[u8]) -> Result<()> {
-        // Posts to the rings copy at once: only the network's may still read the range.
-        self.net.settle(range)
-    }
-
-    fn release(&mut self) {
-        self.net.release();
+    fn lending(&mut self) -> Option<&mut dyn Lending> {
+        // Posts to the rings copy at once: only the network's may still read a lent buffer.
+        self.net.lending()
     }
 
     fn unsent(&mut self) -> Result<Option<usize>> {

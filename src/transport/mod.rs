@@ -5,6 +5,7 @@
 mod descriptors;
 pub mod hybrid;
 pub mod mailbox;
+mod numbering;
 pub mod op;
 pub mod pacer;
 pub mod rdma;
@@ -16,38 +17,82 @@ pub mod watch;
 use crate::bootstrap::{discover, rendezvous};
 use crate::error::{Peer, Result};
 
-/// A chunk-granular, per-peer, ordered, flow-controlled link to every other rank.
+/// What a link is: the facts it reports once, from which the core chooses its algorithms and
+/// thresholds (`collectives/tuning.rs`), as NCCL's net plugins report their properties.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Props {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// The largest chunk one post can carry.
+    pub max_chunk: usize,
+    /// What carries this link's chunks to its network peers (or to all, without a network).
+    pub medium: Medium,
+    /// Whether every peer is reached through memory this rank maps (shared memory): a copy to
+    /// a peer then costs about what a local copy does.
+    pub shares_memory: bool,
+    /// Every rank's host (numbered from 0), where this link reaches the peers on its host
+    /// through shared memory and some peers through a network: the facts a hierarchical
+    /// algorithm needs. `None` where all peers are reached alike.
+    pub hosts: Option<Vec<usize>>,
+    /// Whether a take hands back what a peer's next post waits for (RDMA credits, a ring's
+    /// slot), so that a peer out of room is held up until this rank takes.
+    pub takes_return_credits: bool,
+}
+
+impl Props {
+    /// A link of `size` ranks over `medium` whose peers are reached alike and whose takes
+    /// return no credit.
+    pub fn new(rank: usize, size: usize, max_chunk: usize, medium: Medium) -> Props {
+        Props {
+            rank,
+            size,
+            max_chunk,
+            medium,
+            shares_memory: false,
+            hosts: None,
+            takes_return_credits: false,
+        }
+    }
+}
+
+/// A chunk-granular, per-peer, ordered, flow-controlled link to every other rank: what the
+/// collectives see of a transport (Gloo's pair, NCCL's isend/irecv/test).
 ///
 /// Chunks to one peer arrive in the order posted. `try_post` and `try_take` never block;
 /// `progress` polls completions and waits a little, failing after the configured timeout
 /// without progress, naming the peer waited on.
+///
+/// # The order of calls
+/// Every rank runs the same operations in the same order; for each, the core calls:
+/// 1. [`Link::start`] once, with the peers the operation exchanges with;
+/// 2. where the link has a [`Link::lending`], [`Lending::lend`] with the buffer posts may come
+///    from;
+/// 3. for each step of the algorithm, [`Link::begin`], then [`Link::try_post`],
+///    [`Link::try_take`] and [`Link::try_take_into`] to and from peers of that scope, with
+///    [`Link::progress`] while nothing moves (and [`Link::resume`] after its caller held it);
+///    a range posted from a lent buffer is written only after [`Lending::settle`] on it;
+/// 4. [`Link::unsent`] until it names no peer (waiting with [`Link::progress`]), then
+///    [`Link::finish`];
+/// 5. [`Lending::release`] on every exit, an error's included.
+///
+/// After an error the core makes no further call but dropping it. The peers are every rank
+/// `0..size` of [`Props`]: how a transport reaches one (a connection made at set-up or at the
+/// first post, see `docs/DESIGN.md`) is its own affair, behind these calls.
 pub trait Link {
-    /// This rank.
-    fn rank(&self) -> usize;
-    /// Number of ranks.
-    fn size(&self) -> usize;
+    /// What this link is (fixed for its life).
+    fn props(&self) -> &Props;
+    /// This rank ([`Props::rank`]).
+    fn rank(&self) -> usize {
+        self.props().rank
+    }
+    /// Number of ranks ([`Props::size`]).
+    fn size(&self) -> usize {
+        self.props().size
+    }
     /// A peer's identity (rank and address), for errors.
     fn peer(&self, rank: usize) -> Peer;
-    /// The largest chunk one post can carry.
-    fn max_chunk(&self) -> usize;
-    /// What carries this link's chunks to its network peers (or to all, without a network).
-    fn medium(&self) -> Medium;
-    /// Whether every peer is reached through memory this rank maps (shared memory): a copy to
-    /// a peer then costs about what a local copy does.
-    fn shares_memory(&self) -> bool {
-        false
-    }
-    /// Every rank's host (numbered from 0), where this link reaches the peers on its host
-    /// through shared memory and some peers through a network: the facts a hierarchical
-    /// algorithm needs. `None` where all peers are reached alike.
-    fn hosts(&self) -> Option<&[usize]> {
-        None
-    }
-    /// Whether a take hands back what a peer's next post waits for (RDMA credits, a ring's
-    /// slot), so that a peer out of room is held up until this rank takes.
-    fn takes_return_credits(&self) -> bool {
-        false
-    }
     /// Posts `data` (at most `max_chunk` bytes) to `peer` if a slot is free; `Ok(false)` if not.
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool>;
     /// If the next chunk from `peer` has arrived, hands it to `f` and frees its slot.
@@ -69,35 +114,15 @@ pub trait Link {
         self.begin();
     }
     /// Starts operation `op` with the peers of `scope`. Its descriptor, numbered in each
-    /// direction between two ranks ([`op::OpDesc::seq`]), rides on the first chunk posted to each
-    /// peer, and the first chunk taken from each peer must carry an equal one (else the take
-    /// fails with [`crate::Error::Mismatch`], naming both calls, before it lands a byte).
+    /// direction between two ranks ([`op::OpDesc::seq`], kept by the numbering every transport
+    /// shares), rides on the first chunk posted to each peer, and the first chunk taken from
+    /// each peer must carry an equal one (else the take fails with [`crate::Error::Mismatch`],
+    /// naming both calls, before it lands a byte).
     fn start(&mut self, op: &op::OpDesc, scope: op::Scope);
-    /// Offers `buf`, which the operation's posts may come from, as the source of zero-copy sends
-    /// until [`Link::release`]; a transport may register it or ignore it. While lent, a range
-    /// that was posted must not be written before [`Link::settle`] on it returns.
-    fn lend(&mut self, _buf: &[u8]) {}
-    /// Registers `buf` for zero-copy sends across operations, until [`Link::unregister`] with
-    /// the returned id (`None` where the transport has nothing to register: TCP). Posts from
-    /// inside it then send straight from it. [`crate::Communicator::with_registered`] scopes
-    /// this safely.
-    ///
-    /// # Safety
-    /// `buf` must stay allocated and in place until [`Link::unregister`] with the returned id,
-    /// or later sends from its addresses read memory that belongs to something else. (It may be
-    /// written between operations: every send from it completes before its operation returns.)
-    unsafe fn register(&mut self, _buf: &[u8]) -> Result<Option<u64>> {
-        Ok(None)
+    /// The zero-copy interface, where this link sends straight from the caller's memory.
+    fn lending(&mut self) -> Option<&mut dyn Lending> {
+        None
     }
-    /// Ends a registration made by [`Link::register`] (between operations).
-    fn unregister(&mut self, _id: u64) {}
-    /// Waits (bounded by the timeout) until no send still in flight reads from `range`.
-    fn settle(&mut self, _range: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    /// Ends a lending: after it the transport holds nothing of the lent buffer (called on every
-    /// operation's exit, after [`Link::finish`] or an error).
-    fn release(&mut self) {}
     /// A peer for which posted data still waits in this rank's queue (a transport whose posts
     /// only queue data: TCP), or None. The caller waits on that peer ([`Link::progress`], which
     /// pushes it out) until there is none.
@@ -108,6 +133,40 @@ pub trait Link {
     /// only queue data must push it out, or a peer would wait on a rank that has moved on).
     fn finish(&mut self) -> Result<()> {
         Ok(())
+    }
+}
+
+/// Zero-copy sends: a link that can send straight from the caller's memory (RDMA) lends it
+/// for an operation or registers it across operations.
+pub trait Lending {
+    /// Offers `buf`, which the operation's posts may come from, as the source of zero-copy sends
+    /// until [`Lending::release`]; a transport may register it or ignore it. While lent, a range
+    /// that was posted must not be written before [`Lending::settle`] on it returns.
+    fn lend(&mut self, buf: &[u8]);
+    /// Registers `buf` for zero-copy sends across operations, until [`Lending::unregister`] with
+    /// the returned id (`None` where nothing was registered). Posts from inside it then send
+    /// straight from it. [`crate::Communicator::with_registered`] scopes this safely.
+    ///
+    /// # Safety
+    /// `buf` must stay allocated and in place until [`Lending::unregister`] with the returned
+    /// id, or later sends from its addresses read memory that belongs to something else. (It may
+    /// be written between operations: every send from it completes before its operation
+    /// returns.)
+    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>>;
+    /// Ends a registration made by [`Lending::register`] (between operations).
+    fn unregister(&mut self, id: u64);
+    /// Waits (bounded by the timeout) until no send still in flight reads from `range`.
+    fn settle(&mut self, range: &[u8]) -> Result<()>;
+    /// Ends a lending: after it the transport holds nothing of the lent buffer (called on every
+    /// operation's exit, after [`Link::finish`] or an error).
+    fn release(&mut self);
+}
+
+/// Waits until no send in flight reads from `range`, where `link` lends.
+pub(crate) fn settle(link: &mut dyn Link, range: &[u8]) -> Result<()> {
+    match link.lending() {
+        Some(l) => l.settle(range),
+        None => Ok(()),
     }
 }
 
@@ -155,78 +214,6 @@ pub trait Transport: Link + Send {
     fn poll_now(&mut self) -> Result<bool>;
     /// Something outside this transport moved (its no-progress clock restarts).
     fn note_progress(&mut self);
-}
-
-impl Transport for rdma::RdmaTransport {
-    fn health(&mut self) -> Result<()> {
-        rdma::RdmaTransport::health(self)
-    }
-    fn describe(&self) -> String {
-        format!("RDMA {}", self.device())
-    }
-    fn local_rank(&self) -> (usize, usize) {
-        self.watch().local_rank()
-    }
-    fn abort(&mut self, reason: String) {
-        rdma::RdmaTransport::abort(self, reason)
-    }
-    fn watch_mut(&mut self) -> &mut watch::Watch {
-        rdma::RdmaTransport::watch_mut(self)
-    }
-    fn poll_now(&mut self) -> Result<bool> {
-        rdma::RdmaTransport::poll_now(self)
-    }
-    fn note_progress(&mut self) {
-        rdma::RdmaTransport::note_progress(self)
-    }
-}
-
-impl Transport for shm::ShmTransport {
-    fn health(&mut self) -> Result<()> {
-        shm::ShmTransport::health(self)
-    }
-    fn describe(&self) -> String {
-        format!("shared memory ({} ranks on this host)", self.size())
-    }
-    fn local_rank(&self) -> (usize, usize) {
-        self.watch().local_rank()
-    }
-    fn abort(&mut self, reason: String) {
-        shm::ShmTransport::abort(self, reason)
-    }
-    fn watch_mut(&mut self) -> &mut watch::Watch {
-        shm::ShmTransport::watch_mut(self)
-    }
-    fn poll_now(&mut self) -> Result<bool> {
-        // Nothing to move: posts land in the peer's memory at once.
-        self.watch_mut().poll_sometimes()?;
-        Ok(false)
-    }
-    fn note_progress(&mut self) {}
-}
-
-impl Transport for tcp::TcpTransport {
-    fn health(&mut self) -> Result<()> {
-        tcp::TcpTransport::health(self)
-    }
-    fn describe(&self) -> String {
-        self.device()
-    }
-    fn local_rank(&self) -> (usize, usize) {
-        self.watch().local_rank()
-    }
-    fn abort(&mut self, reason: String) {
-        tcp::TcpTransport::abort(self, reason)
-    }
-    fn watch_mut(&mut self) -> &mut watch::Watch {
-        tcp::TcpTransport::watch_mut(self)
-    }
-    fn poll_now(&mut self) -> Result<bool> {
-        tcp::TcpTransport::poll_now(self)
-    }
-    fn note_progress(&mut self) {
-        tcp::TcpTransport::note_progress(self)
-    }
 }
 
 pub use crate::config::Kind;

@@ -15,7 +15,8 @@
 
 use crate::bootstrap::{Reader, SideChannel};
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{self, OpDesc, OpKind, Scope};
+use crate::transport::numbering::Numbering;
+use crate::transport::op::{self, OpDesc, Scope};
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -170,11 +171,6 @@ struct PeerState {
     /// Chunks posted to it, and taken from it.
     posted: u64,
     taken: u64,
-    /// Operation numbers in each direction (see [`op::OpDesc::seq`]).
-    seq_out: u64,
-    seq_in: u64,
-    /// The current operation's first chunk from it passed the descriptor check.
-    verified: bool,
     /// Its index among the ranks of this host.
     local: usize,
 }
@@ -294,8 +290,6 @@ impl Pending {
         let mut state: Vec<Option<PeerState>> = (0..n).map(|_| None).collect();
         for (i, &p) in locals.iter().enumerate() {
             state[p] = Some(PeerState {
-                seq_out: u64::MAX,
-                seq_in: u64::MAX,
                 local: i,
                 ..PeerState::default()
             });
@@ -306,14 +300,12 @@ impl Pending {
             mine,
             theirs,
             state,
-            me,
             my_local,
             hosts,
             slots: self.slots,
             chunk: self.chunk,
             ring,
-            op: OpDesc::new(OpKind::Barrier, 0),
-            op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
+            numbering: Numbering::new(me, n),
         })
     }
 }
@@ -326,15 +318,15 @@ pub(crate) struct Rings {
     theirs: Vec<Option<Segment>>,
     /// By rank: Some for same-host peers.
     state: Vec<Option<PeerState>>,
-    me: usize,
     my_local: usize,
     /// Every rank's host, numbered in order of first appearance.
     hosts: Vec<usize>,
     slots: usize,
     chunk: usize,
     ring: usize,
-    op: OpDesc,
-    op_wire: [u8; op::WIRE],
+    /// The operation under way and its numbers with each peer (every slot carries its
+    /// descriptor; the first of an operation from a peer is checked).
+    numbering: Numbering,
 }
 
 impl Rings {
@@ -386,7 +378,7 @@ impl Rings {
             return Ok(false);
         }
         let slot = self.slot_at(me, k);
-        let desc = OpDesc::numbered(self.op_wire, st.seq_out);
+        let desc = self.numbering.desc_to(p);
         // SAFETY: the slot lies in the mapping (slot_at, ring) and is ours to write: the reader
         // took chunk k - slots (checked above) and reads this slot only after we publish k + 1.
         unsafe {
@@ -440,16 +432,10 @@ impl Rings {
                 self.chunk
             )));
         }
-        if !st.verified {
+        if self.numbering.first_from(p) {
             let got = &head[DESC_AT..DESC_AT + op::WIRE];
-            if got != OpDesc::numbered(self.op_wire, st.seq_in) {
-                let want = OpDesc {
-                    seq: st.seq_in,
-                    ..self.op
-                };
-                if let Err(why) = want.check(got, p, self.me) {
-                    return Err(Fault::Mismatch(why));
-                }
+            if let Err(why) = self.numbering.check_from(p, got) {
+                return Err(Fault::Mismatch(why));
             }
         }
         // SAFETY: as for the header: len bytes after it, in the slot (len <= chunk checked).
@@ -458,26 +444,15 @@ impl Rings {
         mine.counter(self.taken_at(w))
             .store(k + 1, Ordering::Release);
         let st = self.state[p].as_mut().expect("a same-host peer");
-        st.verified = true;
         st.taken = k + 1;
+        self.numbering.took_from(p);
         Ok(true)
     }
 
     /// Starts operation `op` with the same-host peers of `scope` (numbers and descriptors as in
     /// [`crate::transport::Link::start`]).
     pub(crate) fn start(&mut self, op: &OpDesc, scope: Scope) {
-        self.op = *op;
-        self.op_wire = op.encode();
-        for (p, st) in self.state.iter_mut().enumerate() {
-            let Some(st) = st.as_mut() else { continue };
-            if scope.counts(p, true) {
-                st.seq_out = st.seq_out.wrapping_add(1);
-            }
-            if scope.counts(p, false) {
-                st.seq_in = st.seq_in.wrapping_add(1);
-                st.verified = false;
-            }
-        }
+        self.numbering.start(op, scope);
     }
 }
 

@@ -10,7 +10,7 @@ use crate::transport::op::{OpDesc, Scope};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::rings::{Fault, Pending, Rings, CHUNK, SLOTS};
 use crate::transport::watch::Watch;
-use crate::transport::Link;
+use crate::transport::{Link, Medium, Props};
 use std::time::Duration;
 
 /// How long waits spin before they yield: a handoff through the cache takes well under this.
@@ -25,9 +25,8 @@ pub struct ShmTransport {
     rings: Rings,
     watch: Watch,
     pacer: Pacer,
-    rank: usize,
-    n: usize,
     timeout: Duration,
+    props: Props,
 }
 
 impl ShmTransport {
@@ -55,12 +54,22 @@ impl ShmTransport {
         let rings = side.told(rings)?;
         side.set_async()?;
         let crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
+        let props = Props {
+            shares_memory: true,
+            // A take frees the peer's slot at once: its next post may be waiting for it.
+            takes_return_credits: true,
+            ..Props::new(
+                cfg.rank,
+                cfg.world_size,
+                rings.chunk(),
+                Medium::SharedMemory,
+            )
+        };
         Ok(ShmTransport {
+            props,
             rings,
             watch: Watch::new(side, cfg.rank, rv.addrs),
             pacer: pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD),
-            rank: cfg.rank,
-            n: cfg.world_size,
             timeout: cfg.timeout,
         })
     }
@@ -96,33 +105,12 @@ pub(crate) fn blame(watch: &mut Watch, p: usize, fault: Fault) -> Error {
 }
 
 impl Link for ShmTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.n
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
     }
 
     fn peer(&self, rank: usize) -> Peer {
         self.watch.peer(rank)
-    }
-
-    fn max_chunk(&self) -> usize {
-        self.rings.chunk()
-    }
-
-    fn shares_memory(&self) -> bool {
-        true
-    }
-
-    fn medium(&self) -> crate::transport::Medium {
-        crate::transport::Medium::SharedMemory
-    }
-
-    fn takes_return_credits(&self) -> bool {
-        // A take frees the peer's slot at once: its next post may be waiting for it.
-        true
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
@@ -178,4 +166,28 @@ impl Drop for ShmTransport {
         self.timeout = self.timeout.min(Duration::from_secs(10));
         self.watch.close(self.timeout);
     }
+}
+
+impl crate::transport::Transport for ShmTransport {
+    fn health(&mut self) -> Result<()> {
+        ShmTransport::health(self)
+    }
+    fn describe(&self) -> String {
+        format!("shared memory ({} ranks on this host)", self.size())
+    }
+    fn local_rank(&self) -> (usize, usize) {
+        self.watch().local_rank()
+    }
+    fn abort(&mut self, reason: String) {
+        ShmTransport::abort(self, reason)
+    }
+    fn watch_mut(&mut self) -> &mut crate::transport::watch::Watch {
+        ShmTransport::watch_mut(self)
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        // Nothing to move: posts land in the peer's memory at once.
+        self.watch_mut().poll_sometimes()?;
+        Ok(false)
+    }
+    fn note_progress(&mut self) {}
 }

@@ -107,29 +107,12 @@ impl RdmaTransport {
 }
 
 impl Link for RdmaTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.layout.n
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
     }
 
     fn peer(&self, rank: usize) -> Peer {
         self.watch.peer(rank)
-    }
-
-    fn max_chunk(&self) -> usize {
-        self.layout.slot
-    }
-
-    fn medium(&self) -> crate::transport::Medium {
-        crate::transport::Medium::Rdma
-    }
-
-    fn takes_return_credits(&self) -> bool {
-        // A peer waits for our credits once its slots are full; we return them only as we take.
-        true
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
@@ -165,10 +148,12 @@ impl Link for RdmaTransport {
             return Ok(false);
         }
         // The operation's first chunk to p carries its descriptor just ahead of the data.
-        let wire = self.op_wire;
-        let st = self.state(p);
-        let head = if st.head_out { op::WIRE } else { 0 };
-        let desc = OpDesc::numbered(wire, st.seq_out);
+        let head = if self.numbering.first_to(p) {
+            op::WIRE
+        } else {
+            0
+        };
+        let desc = self.numbering.desc_to(p);
         // A lent or registered buffer sends straight from memory, but a chunk small enough to
         // go inline is copied at post time (by mailbox up to 56 bytes) and needs no settling.
         let region = if data.len() > MAX_INLINE as usize {
@@ -251,8 +236,8 @@ impl Link for RdmaTransport {
             let a = data.as_ptr() as usize;
             self.zc.push_back((p, k, a, a + data.len()));
         }
+        self.numbering.posted_to(p);
         let st = self.state(p);
-        st.head_out = false;
         st.returned = consumed;
         st.sent += 1;
         st.retire_sends();
@@ -269,8 +254,12 @@ impl Link for RdmaTransport {
         let st = self.state(p);
         let k = st.consumed;
         let slot = (k % slots) as usize;
-        let head = if st.head_in { op::WIRE } else { 0 };
-        let (by_imm, seq, sent) = (st.lens[slot], st.seq_in, st.sent);
+        let (by_imm, sent) = (st.lens[slot], st.sent);
+        let head = if self.numbering.first_from(p) {
+            op::WIRE
+        } else {
+            0
+        };
         // The chunk's bytes as written (the descriptor first, if any): where, how many, and
         // the credits a mailbox trailer carries.
         let (off, len, mailbox_consumed) = if by_imm != EMPTY {
@@ -303,17 +292,14 @@ impl Link for RdmaTransport {
             // SAFETY: a receive slot whose chunk arrived (its completion was seen) and whose
             // credit has not been returned: the writer may not write it again until we do.
             let got = unsafe { self.buf.slice(off, head) };
-            if got != OpDesc::numbered(self.op_wire, seq) {
-                let mine = OpDesc { seq, ..self.op };
-                if let Err(why) = mine.check(got, p, self.rank) {
-                    return Err(self.watch.mismatch(p, why));
-                }
+            if let Err(why) = self.numbering.check_from(p, got) {
+                return Err(self.watch.mismatch(p, why));
             }
         }
         // SAFETY: as for the descriptor: an arrived chunk, its slot not yet given back.
         f(unsafe { self.buf.slice(off + head, len - head) })?;
+        self.numbering.took_from(p);
         let st = self.state(p);
-        st.head_in = false;
         st.lens[slot] = EMPTY;
         if let Some(c) = mailbox_consumed {
             st.peer_consumed = st.peer_consumed.max(c);
@@ -342,29 +328,12 @@ impl Link for RdmaTransport {
     }
 
     fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
-        self.settle(dst)?;
+        self.settle_range(dst)?;
         self.try_take(p, &mut |src: &[u8]| copy_chunk(src, dst, p))
     }
 
-    fn lend(&mut self, buf: &[u8]) {
-        self.lend_source(buf)
-    }
-
-    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
-        // SAFETY: the caller keeps `buf` alive and unmoved while registered (Link::register).
-        unsafe { self.register_source_for_calls(buf) }
-    }
-
-    fn unregister(&mut self, id: u64) {
-        self.unregister_source(id)
-    }
-
-    fn settle(&mut self, range: &[u8]) -> Result<()> {
-        self.settle_range(range)
-    }
-
-    fn release(&mut self) {
-        self.release_sources()
+    fn lending(&mut self) -> Option<&mut dyn Lending> {
+        Some(self)
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -394,19 +363,54 @@ impl Link for RdmaTransport {
     }
 
     fn start(&mut self, op: &OpDesc, scope: Scope) {
-        self.op = *op;
-        self.op_wire = op.encode();
+        self.numbering.start(op, scope);
         self.watch.waiting_on(None);
-        for (p, st) in self.peers.iter_mut().enumerate() {
-            let Some(st) = st.as_mut() else { continue };
-            if scope.counts(p, true) {
-                st.seq_out = st.seq_out.wrapping_add(1);
-                st.head_out = true;
-            }
-            if scope.counts(p, false) {
-                st.seq_in = st.seq_in.wrapping_add(1);
-                st.head_in = true;
-            }
-        }
+    }
+}
+
+impl Lending for RdmaTransport {
+    fn lend(&mut self, buf: &[u8]) {
+        self.lend_source(buf)
+    }
+
+    unsafe fn register(&mut self, buf: &[u8]) -> Result<Option<u64>> {
+        // SAFETY: the caller keeps `buf` alive and unmoved while registered (Lending::register).
+        unsafe { self.register_source_for_calls(buf) }
+    }
+
+    fn unregister(&mut self, id: u64) {
+        self.unregister_source(id)
+    }
+
+    fn settle(&mut self, range: &[u8]) -> Result<()> {
+        self.settle_range(range)
+    }
+
+    fn release(&mut self) {
+        self.release_sources()
+    }
+}
+
+impl crate::transport::Transport for RdmaTransport {
+    fn health(&mut self) -> Result<()> {
+        RdmaTransport::health(self)
+    }
+    fn describe(&self) -> String {
+        format!("RDMA {}", self.device())
+    }
+    fn local_rank(&self) -> (usize, usize) {
+        self.watch().local_rank()
+    }
+    fn abort(&mut self, reason: String) {
+        RdmaTransport::abort(self, reason)
+    }
+    fn watch_mut(&mut self) -> &mut crate::transport::watch::Watch {
+        RdmaTransport::watch_mut(self)
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        RdmaTransport::poll_now(self)
+    }
+    fn note_progress(&mut self) {
+        RdmaTransport::note_progress(self)
     }
 }

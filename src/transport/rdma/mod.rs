@@ -45,10 +45,11 @@ use crate::bootstrap::{check_tags, Reader, TAG_RDMA};
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::mailbox::{self, ENTRY};
-use crate::transport::op::{self, OpDesc, OpKind, Scope};
+use crate::transport::numbering::Numbering;
+use crate::transport::op::{self, OpDesc, Scope};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
-use crate::transport::{copy_chunk, Link};
+use crate::transport::{copy_chunk, Lending, Link, Medium, Props};
 use crate::verbs::queue::MAX_INLINE;
 use crate::verbs::{
     self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, LentRegion, RcQueuePair,
@@ -122,16 +123,6 @@ struct PeerState {
     lens: Vec<u32>,
     /// When the outstanding health probe (a zero-byte RDMA write) was posted.
     probe: Option<Instant>,
-    /// The next chunk posted to this peer is the operation's first to it: it carries the
-    /// operation's descriptor.
-    head_out: bool,
-    /// The next chunk taken from this peer is its first of the operation: it must carry a
-    /// descriptor equal to ours.
-    head_in: bool,
-    /// The numbers of the latest operation that sent to this peer, and that received from it
-    /// (see [`OpDesc::seq`]).
-    seq_out: u64,
-    seq_in: u64,
 }
 
 impl PeerState {
@@ -170,9 +161,10 @@ pub struct RdmaTransport {
     nap: Duration,
     device: String,
     port: u8,
-    /// The operation under way, and its descriptor's bytes (numbered per peer when sent).
-    op: OpDesc,
-    op_wire: [u8; op::WIRE],
+    /// The operation under way and its numbers with each peer: an operation's first chunk
+    /// each way carries its descriptor.
+    numbering: Numbering,
+    props: Props,
 }
 
 impl RdmaTransport {

@@ -118,10 +118,6 @@ impl RdmaTransport {
                     peer_consumed: 0,
                     lens: vec![EMPTY; cfg.slots],
                     probe: None,
-                    head_out: false,
-                    head_in: false,
-                    seq_out: u64::MAX,
-                    seq_in: u64::MAX,
                 }));
             }
             Ok(peers)
@@ -137,6 +133,11 @@ impl RdmaTransport {
         let crowded = oversubscribed(&rv.addrs, cfg.rank, cfg.local_world);
         let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
         let zc_min = cfg.zero_copy_min;
+        // A peer waits for our credits once its slots are full; we return them as we take.
+        let props = Props {
+            takes_return_credits: true,
+            ..Props::new(cfg.rank, cfg.world_size, layout.slot, Medium::Rdma)
+        };
         Ok(RdmaTransport {
             peers,
             lent: None,
@@ -164,8 +165,8 @@ impl RdmaTransport {
                 crate::verbs::mtu_bytes(sel.mtu)
             ),
             port: sel.port,
-            op: OpDesc::new(OpKind::Barrier, 0),
-            op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
+            numbering: Numbering::new(cfg.rank, cfg.world_size),
+            props,
         })
     }
 

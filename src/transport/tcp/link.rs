@@ -86,24 +86,12 @@ impl TcpTransport {
 }
 
 impl Link for TcpTransport {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.n
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
     }
 
     fn peer(&self, rank: usize) -> Peer {
         self.watch.peer(rank)
-    }
-
-    fn max_chunk(&self) -> usize {
-        self.max_chunk
-    }
-
-    fn medium(&self) -> crate::transport::Medium {
-        crate::transport::Medium::Tcp
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
@@ -122,7 +110,7 @@ impl Link for TcpTransport {
         self.pacer.progress();
         let mut header = [0u8; HDR];
         header[..4].copy_from_slice(&(data.len() as u32).to_le_bytes());
-        header[OP_AT..OP_AT + op::WIRE].copy_from_slice(&OpDesc::numbered(self.op_wire, c.seq_out));
+        header[OP_AT..OP_AT + op::WIRE].copy_from_slice(&self.numbering.desc_to(p));
         let parts = [&header[..], data, &PAD[..pad(data.len())]];
         let mut done = 0;
         // Write straight from the caller's buffer; only what the socket does not take now is
@@ -171,6 +159,7 @@ impl Link for TcpTransport {
 
     fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
         let max = self.max_chunk;
+        let verified = !self.numbering.first_from(p);
         let c = self.conns[p].as_mut().expect("no link to self");
         let mut err = None;
         // The frame's zero padding after the payload, read and dropped.
@@ -189,7 +178,7 @@ impl Link for TcpTransport {
                 // Only once this operation's descriptor from p was checked: no byte of a
                 // mismatched operation may land in the caller's buffer.
                 let vectored =
-                    have == 0 && c.verified && dst.len() > DIRECT_PEEK && room.len() >= HDR;
+                    have == 0 && verified && dst.len() > DIRECT_PEEK && room.len() >= HDR;
                 let got = if vectored {
                     let (head, _) = room.split_at_mut(HDR);
                     let mut iov = [
@@ -318,19 +307,8 @@ impl Link for TcpTransport {
     }
 
     fn start(&mut self, op: &OpDesc, scope: Scope) {
-        self.op = *op;
+        self.numbering.start(op, scope);
         self.watch.waiting_on(None);
-        self.op_wire = op.encode();
-        for (p, c) in self.conns.iter_mut().enumerate() {
-            let Some(c) = c.as_mut() else { continue };
-            if scope.counts(p, true) {
-                c.seq_out = c.seq_out.wrapping_add(1);
-            }
-            if scope.counts(p, false) {
-                c.seq_in = c.seq_in.wrapping_add(1);
-                c.verified = false;
-            }
-        }
     }
 
     fn resume(&mut self) {
@@ -353,5 +331,29 @@ impl Link for TcpTransport {
 
     fn finish(&mut self) -> Result<()> {
         self.flush()
+    }
+}
+
+impl crate::transport::Transport for TcpTransport {
+    fn health(&mut self) -> Result<()> {
+        TcpTransport::health(self)
+    }
+    fn describe(&self) -> String {
+        self.device()
+    }
+    fn local_rank(&self) -> (usize, usize) {
+        self.watch().local_rank()
+    }
+    fn abort(&mut self, reason: String) {
+        TcpTransport::abort(self, reason)
+    }
+    fn watch_mut(&mut self) -> &mut crate::transport::watch::Watch {
+        TcpTransport::watch_mut(self)
+    }
+    fn poll_now(&mut self) -> Result<bool> {
+        TcpTransport::poll_now(self)
+    }
+    fn note_progress(&mut self) {
+        TcpTransport::note_progress(self)
     }
 }

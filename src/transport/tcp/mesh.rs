@@ -224,9 +224,6 @@ impl TcpTransport {
                         inp: InQueue::new(4 * (chunk + HDR)),
                         direct: Direct::Off,
                         closed: false,
-                        seq_out: u64::MAX,
-                        seq_in: u64::MAX,
-                        verified: false,
                     })
                 }
                 None => None,
@@ -235,14 +232,13 @@ impl TcpTransport {
         Ok(TcpTransport {
             conns,
             watch: Watch::new(side, cfg.rank, rv.addrs),
-            rank: cfg.rank,
             n,
             max_chunk: chunk,
             pacer: Pacer::new(cfg.timeout, spin_for, YIELD_FOR.max(spin_for)),
             timeout: cfg.timeout,
             fds: Vec::with_capacity(n),
-            op: OpDesc::new(OpKind::Barrier, 0),
-            op_wire: OpDesc::new(OpKind::Barrier, 0).encode(),
+            numbering: Numbering::new(cfg.rank, n),
+            props: Props::new(cfg.rank, n, chunk, Medium::Tcp),
         })
     }
 

@@ -18,10 +18,11 @@ use crate::bootstrap::rendezvous::{mac, mac_ok, Card, Rendezvous, KEY};
 use crate::bootstrap::{check_tags, Reader, TAG_TCP};
 use crate::config::{Config, Poll};
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{self, OpDesc, OpKind, Scope};
+use crate::transport::numbering::Numbering;
+use crate::transport::op::{self, OpDesc, Scope};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
-use crate::transport::Link;
+use crate::transport::{Link, Medium, Props};
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -56,13 +57,6 @@ struct Conn {
     inp: InQueue,
     direct: Direct,
     closed: bool,
-    /// The numbers of the latest operation that sent to this peer, and that received from it
-    /// (see [`OpDesc::seq`]).
-    seq_out: u64,
-    seq_in: u64,
-    /// A frame of the current operation from this peer passed [`TcpTransport::check_op`]: its
-    /// later frames may be read straight into place with their header (before the check).
-    verified: bool,
 }
 
 /// The TCP transport of one rank.
@@ -70,7 +64,6 @@ pub struct TcpTransport {
     conns: Vec<Option<Conn>>,
     /// The side channel and the first failure.
     watch: Watch,
-    rank: usize,
     n: usize,
     max_chunk: usize,
     /// How long to spin before blocking in poll(2).
@@ -79,9 +72,12 @@ pub struct TcpTransport {
     pacer: Pacer,
     /// poll(2)'s array, kept between calls.
     fds: Vec<libc::pollfd>,
-    /// The operation under way, and its descriptor's bytes as every frame carries them.
-    op: OpDesc,
-    op_wire: [u8; op::WIRE],
+    /// The operation under way and its numbers with each peer; every frame carries its
+    /// descriptor. Once the first frame of an operation from a peer passed
+    /// [`TcpTransport::check_op`], its later frames may be read straight into place with their
+    /// header (before the check).
+    numbering: Numbering,
+    props: Props,
 }
 
 impl TcpTransport {
@@ -103,23 +99,17 @@ impl TcpTransport {
     /// Checks the operation descriptor in the header of the next frame from `p` (buffered)
     /// against this rank's operation: a mismatch fails the link, naming both calls.
     fn check_op(&mut self, p: usize) -> Result<()> {
-        let c = self.conns[p].as_ref().expect("present");
-        let hdr = &c.inp.pending()[OP_AT..OP_AT + op::WIRE];
-        if hdr == OpDesc::numbered(self.op_wire, c.seq_in) {
-            self.conns[p].as_mut().expect("present").verified = true;
-            return Ok(());
-        }
-        let mine = OpDesc {
-            seq: c.seq_in,
-            ..self.op
-        };
-        match mine.check(hdr, p, self.rank) {
+        let c = self.conns[p].as_mut().expect("present");
+        match self
+            .numbering
+            .check_from(p, &c.inp.pending()[OP_AT..OP_AT + op::WIRE])
+        {
             Ok(()) => {
-                self.conns[p].as_mut().expect("present").verified = true;
+                self.numbering.took_from(p);
                 Ok(())
             }
             Err(why) => {
-                self.conns[p].as_mut().expect("present").direct = Direct::Off;
+                c.direct = Direct::Off;
                 Err(self.watch.mismatch(p, why))
             }
         }
