@@ -15,8 +15,8 @@
 //! The public API is this root (the [`Communicator`] trait and its [`Comm`], the typed [`Group`],
 //! [`Config`] and the settings' types in [`config`], the dtypes and reductions, [`Error`], the
 //! non-blocking [`Overlap`] scope) and the framework transports (`nuvec`, `fuel`, behind their
-//! features). [`unstable`] opens a few internals to rdmacomm's own tools, benchmarks and tests,
-//! with no stability promise. The layers beneath, top down: the API and `Comm`, the collective
+//! features). A hidden `unstable` module, behind the feature of that name, opens a few internals
+//! to rdmacomm's own tests and benchmarks, with no stability promise. The layers beneath, top down: the API and `Comm`, the collective
 //! algorithms over a narrow per-peer link, the transports (RDMA, TCP, shared memory), the
 //! bootstrap (how ranks meet and tell each other of failures), the verbs owners; configuration
 //! below them all (docs/DESIGN.md, "Layers and modules").
@@ -49,6 +49,8 @@ mod relayout;
 mod serial;
 mod sys;
 mod transport;
+#[cfg(feature = "unstable")]
+#[doc(hidden)]
 pub mod unstable;
 mod verbs;
 #[cfg(any(feature = "nuvec", feature = "fuel"))]
@@ -62,4 +64,15 @@ pub use dtype::{AllReduce, DType, Element};
 pub use error::{Error, Peer, Result};
 pub use group::Group;
 pub use identity::IdentityComm;
+pub use launch::run_local;
+
+/// The kernels this process chose at run time, in words, for benchmark reports: the reductions'
+/// instruction set and the copy kernel (`reduce Avx2, copy Simd`).
+pub fn kernels() -> String {
+    format!(
+        "reduce {:?}, copy {:?}",
+        reduce::simd_level(),
+        copy::kernel()
+    )
+}
 pub use overlap::{Overlap, Pending};

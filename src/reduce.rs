@@ -283,8 +283,9 @@ pub fn simd_level() -> SimdLevel {
     choose_simd(false)
 }
 
-/// `acc = op(acc, src)` element-wise. Lengths must be equal and whole elements of `dtype`.
+/// `acc = op(acc, src)` element-wise (for the tests and `unstable`). Lengths must be equal and whole elements of `dtype`.
 /// Either slice may be unaligned for the dtype (then it is staged through an aligned buffer).
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn reduce_into(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) -> Result<()> {
     if acc.len() != src.len() {
         return Err(Error::InvalidArgument(format!(
@@ -323,6 +324,7 @@ pub(crate) fn reduce_unchecked(op: AllReduce, dtype: DType, acc: &mut [u8], src:
 
 /// The scalar reference of one combine, element by element (used by tests and `-c` checks):
 /// independent of the vector kernels (bf16/f16 rounding by the `half` crate).
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub mod reference {
     use super::*;
 

@@ -18,6 +18,4 @@ pub mod reduce {
 }
 
 pub use crate::config::launcher_device_from_env as device_from_env;
-pub use crate::copy::kernel as copy_kernel;
-pub use crate::launch::run_local;
 pub use crate::transport::rdma::MAX_REGISTERED;

@@ -464,7 +464,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
     }
     if r == 0 {
         println!(
-            "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}, copy {:?}{}",
+            "# rdmacomm-perf {} ({}): {} ranks, {}, {} {} {}, algo {:?}, {}{}",
             env!("CARGO_PKG_VERSION"),
             env!("RDMACOMM_BUILD"),
             n,
@@ -473,7 +473,7 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
             o.dtype.name(),
             o.op.name(),
             c.algorithm(),
-            rdmacomm::unstable::copy_kernel(),
+            rdmacomm::kernels(),
             if o.register {
                 ", buffers registered"
             } else {
@@ -710,7 +710,7 @@ fn main() {
         if let Some(p) = args.iter().position(|a| a == "--local") {
             args.drain(p..p + 2);
         }
-        match rdmacomm::unstable::run_local(n, &exe, &args, false) {
+        match rdmacomm::run_local(n, &exe, &args, false) {
             Ok(code) => std::process::exit(code),
             Err(e) => {
                 eprintln!("rdmacomm-perf: {e}");

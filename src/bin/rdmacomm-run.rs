@@ -36,7 +36,7 @@ fn main() {
         usage()
     }
     let prog = args.remove(0);
-    match rdmacomm::unstable::run_local(n, &prog, &args, true) {
+    match rdmacomm::run_local(n, &prog, &args, true) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("rdmacomm-run: {e}");

@@ -30,6 +30,7 @@ use std::time::Instant;
 
 /// Joins the group: exchanges `card` with every rank through rank 0 (found as
 /// [`crate::config::Discovery`] says).
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn rendezvous(cfg: &Config, card: &Card) -> Result<Rendezvous> {
     let mut meet = meeting_point(cfg)?;
     let listener = meet.listener.take();

@@ -125,6 +125,7 @@ fn fork_safe() {
 
 /// One port of one device, as listed.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub struct PortInfo {
     /// Device name.
     pub device: String,

@@ -27,6 +27,7 @@ unsafe impl Send for RegisteredBuffer {}
 // SAFETY: as above; shared references only read the MR's keys and the base address.
 unsafe impl Sync for RegisteredBuffer {}
 
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 impl RegisteredBuffer {
     /// Allocates `len` zeroed bytes (rounded up to a page; the RDMA transport's mailboxes rely on
     /// the zeros) and registers them on `pd` as one region that peers may write.

@@ -10,7 +10,9 @@ pub mod memory;
 pub mod queue;
 
 pub(crate) use device::mtu_bytes;
+#[cfg_attr(not(feature = "unstable"), allow(unused_imports))]
 pub use device::{list_ports, open, DeviceChoice, HcaList, PortInfo, Selected};
 pub use events::{AsyncEvent, AsyncEvents};
 pub use memory::{LentRegion, RegisteredBuffer};
+#[cfg_attr(not(feature = "unstable"), allow(unused_imports))]
 pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy, Sge};

@@ -209,7 +209,7 @@ impl Endpoint {
 
     /// The endpoint as sent to a peer: QP number, PSN, LID and MTU as little-endian u32s, then
     /// the GID.
-    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+    pub fn to_bytes(self) -> [u8; Self::BYTES] {
         let mut b = [0u8; Self::BYTES];
         b[0..4].copy_from_slice(&self.qpn.to_le_bytes());
         b[4..8].copy_from_slice(&self.psn.to_le_bytes());
@@ -517,6 +517,7 @@ impl RcQueuePair {
     }
 
     /// Moves the QP to the error state: every outstanding work request is flushed.
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     pub fn set_error(&mut self) {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Error);
