@@ -332,7 +332,7 @@ fn no_device_is_a_clear_error() {
         return;
     }
     let mut cfg = Config::new(0, 2, "127.0.0.1:1").unwrap();
-    cfg.transport = rdmacomm::config::Kind::Rdma;
+    cfg.transport = rdmacomm::config::TransportKind::Rdma;
     let e = Comm::new(&cfg)
         .err()
         .expect("must fail without a device")

@@ -9,7 +9,7 @@ use crate::collectives::ring::{self, chunks};
 use crate::collectives::{tuning, Algo};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Peer, Result};
-use crate::transport::op::{OpDesc, Scope};
+use crate::transport::op::{OpDesc, Partners};
 use crate::transport::{Link, Props};
 
 /// Where a rank stands in a regular layout of `hosts` (every host with the same number of
@@ -96,7 +96,7 @@ impl Link for View<'_> {
     fn resume(&mut self) {
         self.link.resume()
     }
-    fn start(&mut self, _op: &OpDesc, _scope: Scope) {
+    fn start(&mut self, _op: &OpDesc, _scope: Partners) {
         // The whole operation was started on the underlying link; its steps start nothing.
     }
     fn lending(&mut self) -> Option<&mut dyn crate::transport::Lending> {

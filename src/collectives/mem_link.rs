@@ -4,7 +4,7 @@
 //! algorithm bug shows here in milliseconds instead of in a multi-process run.
 
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{OpDesc, Scope};
+use crate::transport::op::{OpDesc, Partners};
 use crate::transport::Link;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -119,7 +119,7 @@ impl Link for MemLink {
     fn begin(&mut self) {
         self.idle_since = Instant::now();
     }
-    fn start(&mut self, _op: &OpDesc, _scope: Scope) {}
+    fn start(&mut self, _op: &OpDesc, _scope: Partners) {}
 }
 
 /// Little-endian f32s of a byte buffer.

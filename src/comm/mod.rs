@@ -17,7 +17,7 @@ use crate::collectives::{
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{OpDesc, OpKind, Scope};
+use crate::transport::op::{OpDesc, OpKind, Partners};
 use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -312,7 +312,7 @@ impl Comm {
     fn with_link<T>(
         &self,
         desc: OpDesc,
-        scope: Scope,
+        scope: Partners,
         f: impl FnOnce(&mut dyn Link, &mut crate::collectives::Scratch) -> Result<T>,
     ) -> Result<T> {
         self.check_thread(&desc)?;

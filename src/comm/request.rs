@@ -575,11 +575,11 @@ impl Comm {
         let pair = |q: usize| [q];
         let (one_to, one_from);
         let scope = match &req {
-            Request::Send { dst, .. } => Scope::To(*dst),
-            Request::Recv { src, .. } => Scope::From(*src),
+            Request::Send { dst, .. } => Partners::To(*dst),
+            Request::Recv { src, .. } => Partners::From(*src),
             Request::SendRecv { dst, src, .. } => {
                 (one_to, one_from) = (pair(*dst), pair(*src));
-                Scope::Peers {
+                Partners::Peers {
                     to: &one_to,
                     from: &one_from,
                 }
@@ -591,7 +591,7 @@ impl Comm {
                         P2p::Recv { peer, .. } => from.insert(*peer),
                     }
                 }
-                Scope::Peers {
+                Partners::Peers {
                     to: to.ranks(),
                     from: from.ranks(),
                 }
@@ -607,7 +607,7 @@ impl Comm {
             | Request::Gather { .. }
             | Request::Scatter { .. }
             | Request::AllGatherV { .. }
-            | Request::ReduceScatterV { .. } => Scope::All,
+            | Request::ReduceScatterV { .. } => Partners::All,
         };
         self.with_link(desc, scope, |l, scratch| req.run(self, &desc, l, scratch))
     }

@@ -12,7 +12,7 @@ impl Comm {
             algo: step,
             ..OpDesc::new(OpKind::Split, n)
         };
-        self.with_link(desc, Scope::All, |l, _| {
+        self.with_link(desc, Partners::All, |l, _| {
             crate::copy::copy(&mut output[l.rank() * n..(l.rank() + 1) * n], input);
             ring::all_gather(l, output)
         })

@@ -123,7 +123,7 @@ pub struct Config {
     /// in the cache.
     pub tcp_chunk: usize,
     /// RDMA, TCP, shared memory, or the best of them here (`RDMACOMM_TRANSPORT`).
-    pub transport: Kind,
+    pub transport: TransportKind,
     /// `RDMACOMM_SHM`: `Some(false)` (0) never uses shared memory; `Some(true)` (1) uses it for
     /// same-host peers whatever the transport; unset (`None`), only `auto` does.
     pub shm: Option<bool>,
@@ -269,7 +269,7 @@ impl Config {
             slot_bytes,
             slots,
             tcp_chunk,
-            transport: Kind::parse(env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""))?,
+            transport: TransportKind::parse(env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""))?,
             shm: match env("RDMACOMM_SHM").as_deref().map(str::trim) {
                 None => None,
                 Some("1") => Some(true),
@@ -332,7 +332,7 @@ impl Config {
             slot_bytes: default_slot_bytes(world_size, DEFAULT_SLOTS),
             slots: DEFAULT_SLOTS,
             tcp_chunk: DEFAULT_TCP_CHUNK,
-            transport: Kind::Auto,
+            transport: TransportKind::Auto,
             shm: None,
             local_world: None,
             host_id: host_id(),
@@ -373,7 +373,7 @@ impl Config {
     pub fn shm_for_peers(&self) -> bool {
         match self.shm {
             Some(yes) => yes,
-            None => self.transport == Kind::Auto,
+            None => self.transport == TransportKind::Auto,
         }
     }
 

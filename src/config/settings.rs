@@ -208,7 +208,7 @@ impl Algo {
 
 /// Which transport a communicator uses (`RDMACOMM_TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub enum TransportKind {
     /// Shared memory when the launcher says every rank is on this host; otherwise RDMA where a
     /// usable device and ACTIVE port exist, TCP where not (logged once), with shared
     /// memory to the peers on this host. `RDMACOMM_SHM=0` turns shared memory off.
@@ -221,14 +221,14 @@ pub enum Kind {
     Shm,
 }
 
-impl Kind {
+impl TransportKind {
     /// Parses `RDMACOMM_TRANSPORT`'s value (`auto`, `rdma`, `tcp`, `shm`; empty: `auto`).
-    pub fn parse(v: &str) -> Result<Kind> {
+    pub fn parse(v: &str) -> Result<TransportKind> {
         match v.trim() {
-            "" | "auto" => Ok(Kind::Auto),
-            "rdma" => Ok(Kind::Rdma),
-            "tcp" => Ok(Kind::Tcp),
-            "shm" => Ok(Kind::Shm),
+            "" | "auto" => Ok(TransportKind::Auto),
+            "rdma" => Ok(TransportKind::Rdma),
+            "tcp" => Ok(TransportKind::Tcp),
+            "shm" => Ok(TransportKind::Shm),
             v => Err(Error::Config(format!(
                 "RDMACOMM_TRANSPORT={v:?}: use auto, rdma, tcp or shm"
             ))),

@@ -11,10 +11,10 @@ use crate::bootstrap::rendezvous::{Card, Rendezvous};
 use crate::bootstrap::{Reader, TAG_HYBRID, TAG_SHM};
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{OpDesc, Scope};
+use crate::transport::op::{OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
-use crate::transport::rings::{slots_for, Pending, Rings};
 use crate::transport::shm::{blame, NAP, SPIN, YIELD};
+use crate::transport::shm_slots::{slots_for, Pending, Slots};
 use crate::transport::{rdma, tcp, Lending, Link, Props, Transport};
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use std::time::Duration;
 pub struct HybridTransport {
     // Dropped first: its teardown waits until no peer still writes.
     net: Box<dyn Transport>,
-    rings: Rings,
+    rings: Slots,
     /// Paces waits on same-host peers (the network transport paces its own).
     pacer: Pacer,
     timeout: Duration,
@@ -235,7 +235,7 @@ impl Link for HybridTransport {
         self.net.resume();
     }
 
-    fn start(&mut self, op: &OpDesc, scope: Scope) {
+    fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.net.start(op, scope);
         self.rings.start(op, scope);
     }

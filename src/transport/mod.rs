@@ -9,8 +9,8 @@ mod numbering;
 pub mod op;
 pub mod pacer;
 pub mod rdma;
-pub mod rings;
 pub mod shm;
+pub mod shm_slots;
 pub mod tcp;
 pub mod watch;
 
@@ -118,7 +118,7 @@ pub trait Link {
     /// shares), rides on the first chunk posted to each peer, and the first chunk taken from
     /// each peer must carry an equal one (else the take fails with [`crate::Error::Mismatch`],
     /// naming both calls, before it lands a byte).
-    fn start(&mut self, op: &op::OpDesc, scope: op::Scope);
+    fn start(&mut self, op: &op::OpDesc, scope: op::Partners);
     /// The zero-copy interface, where this link sends straight from the caller's memory.
     fn lending(&mut self) -> Option<&mut dyn Lending> {
         None
@@ -216,15 +216,15 @@ pub trait Transport: Link + Send {
     fn note_progress(&mut self);
 }
 
-pub use crate::config::Kind;
+pub use crate::config::TransportKind;
 
 /// Whether `kind` resolves to RDMA here (for `Auto`: a usable device with an ACTIVE port;
 /// otherwise logs once why TCP is used).
-pub fn resolves_to_rdma(kind: Kind) -> bool {
+pub fn resolves_to_rdma(kind: TransportKind) -> bool {
     match kind {
-        Kind::Rdma => true,
-        Kind::Tcp | Kind::Shm => false,
-        Kind::Auto => match crate::verbs::list_ports() {
+        TransportKind::Rdma => true,
+        TransportKind::Tcp | TransportKind::Shm => false,
+        TransportKind::Auto => match crate::verbs::list_ports() {
             Ok(ports) if ports.iter().any(|p| p.active) => true,
             other => {
                 let why = match other {
@@ -242,7 +242,7 @@ pub fn resolves_to_rdma(kind: Kind) -> bool {
 }
 
 /// Connects the transport `kind` names for `cfg` (every rank must resolve to the same one).
-pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
+pub fn connect(cfg: &crate::Config, kind: TransportKind) -> Result<Box<dyn Transport>> {
     // Rank 0's address first: a transport's card names the address it reaches rank 0 from.
     let mut meet = discover::meeting_point(cfg)?;
     let mut listener = meet.listener.take();
@@ -255,11 +255,11 @@ pub fn connect(cfg: &crate::Config, kind: Kind) -> Result<Box<dyn Transport>> {
 /// [`connect`], meeting the other ranks through `meet`.
 pub fn connect_with(
     cfg: &crate::Config,
-    kind: Kind,
+    kind: TransportKind,
     meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
     descriptors::ensure(cfg.rank, cfg.world_size)?;
-    if kind == Kind::Shm || kind == Kind::Auto && cfg.all_local() {
+    if kind == TransportKind::Shm || kind == TransportKind::Auto && cfg.all_local() {
         return Ok(Box::new(shm::ShmTransport::connect_with(cfg, meet)?));
     }
     hybrid::connect_with(cfg, resolves_to_rdma(kind), meet)

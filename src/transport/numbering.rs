@@ -3,7 +3,7 @@
 //! when an operation starts, what it posted and took; this says what to send and whether what
 //! came matches.
 
-use crate::transport::op::{self, OpDesc, OpKind, Scope};
+use crate::transport::op::{self, OpDesc, OpKind, Partners};
 
 /// One peer's operation numbers in each direction (see [`OpDesc::seq`]) and whether the
 /// current operation's first chunk each way is still to come.
@@ -44,7 +44,7 @@ impl Numbering {
     }
 
     /// Starts `op` with the peers of `scope`: each direction it uses gets its next number.
-    pub(crate) fn start(&mut self, op: &OpDesc, scope: Scope) {
+    pub(crate) fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.op = *op;
         self.wire = op.encode();
         for (p, c) in self.peers.iter_mut().enumerate() {
@@ -105,25 +105,25 @@ mod tests {
         let sum = OpDesc::new(OpKind::AllReduce, 64);
         // Rank 0 sends twice to rank 1, then both run a collective.
         for _ in 0..2 {
-            a.start(&OpDesc::new(OpKind::SendRecv, 8), Scope::To(1));
-            b.start(&OpDesc::new(OpKind::SendRecv, 8), Scope::From(0));
+            a.start(&OpDesc::new(OpKind::SendRecv, 8), Partners::To(1));
+            b.start(&OpDesc::new(OpKind::SendRecv, 8), Partners::From(0));
             assert!(a.first_to(1) && b.first_from(0));
             assert_eq!(b.check_from(0, &a.desc_to(1)), Ok(()));
             a.posted_to(1);
             b.took_from(0);
             assert!(!a.first_to(1) && !b.first_from(0));
         }
-        a.start(&sum, Scope::All);
-        b.start(&sum, Scope::All);
+        a.start(&sum, Partners::All);
+        b.start(&sum, Partners::All);
         assert_eq!(b.check_from(0, &a.desc_to(1)), Ok(()));
         assert_eq!(a.check_from(1, &b.desc_to(0)), Ok(()));
         // Numbers differ per direction: rank 1 has sent once, rank 0 three times.
         assert_eq!(OpDesc::decode(&b.desc_to(0), 0).map(|d| d.seq), Some(0));
         assert_eq!(OpDesc::decode(&a.desc_to(1), 0).map(|d| d.seq), Some(2));
         // Rank 1 skips an operation: rank 0's check names what each called.
-        b.start(&OpDesc::new(OpKind::Barrier, 0), Scope::All);
-        b.start(&sum, Scope::All);
-        a.start(&sum, Scope::All);
+        b.start(&OpDesc::new(OpKind::Barrier, 0), Partners::All);
+        b.start(&sum, Partners::All);
+        a.start(&sum, Partners::All);
         let why = a.check_from(1, &b.desc_to(0)).unwrap_err();
         assert!(
             why.contains("rank 1") && why.contains("operation 2"),

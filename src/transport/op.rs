@@ -122,7 +122,7 @@ pub struct OpDesc {
 
 /// Which peers an operation exchanges with, for its numbering ([`OpDesc::seq`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope<'a> {
+pub enum Partners<'a> {
     /// Every peer, both ways: a collective.
     All,
     /// Sends to one peer only.
@@ -138,14 +138,14 @@ pub enum Scope<'a> {
     },
 }
 
-impl Scope<'_> {
+impl Partners<'_> {
     /// Whether the operation sends to `p` (`out`) or receives from it (`!out`).
     pub fn counts(self, p: usize, out: bool) -> bool {
         match self {
-            Scope::All => true,
-            Scope::To(q) => out && q == p,
-            Scope::From(q) => !out && q == p,
-            Scope::Peers { to, from } => {
+            Partners::All => true,
+            Partners::To(q) => out && q == p,
+            Partners::From(q) => !out && q == p,
+            Partners::Peers { to, from } => {
                 if out {
                     to.contains(&p)
                 } else {

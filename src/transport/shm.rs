@@ -6,9 +6,9 @@ use crate::bootstrap::rendezvous::{Card, Rendezvous};
 use crate::bootstrap::{check_tags, TAG_SHM};
 use crate::config::Config;
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{OpDesc, Scope};
+use crate::transport::op::{OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
-use crate::transport::rings::{Fault, Pending, Rings, CHUNK, SLOTS};
+use crate::transport::shm_slots::{Fault, Pending, Slots, CHUNK, SLOTS};
 use crate::transport::watch::Watch;
 use crate::transport::{Link, Medium, Props};
 use std::time::Duration;
@@ -22,7 +22,7 @@ pub(crate) const NAP: Duration = Duration::from_micros(50);
 
 /// The shared-memory transport of one rank (every rank of the group on this host).
 pub struct ShmTransport {
-    rings: Rings,
+    rings: Slots,
     watch: Watch,
     pacer: Pacer,
     timeout: Duration,
@@ -155,7 +155,7 @@ impl Link for ShmTransport {
         self.pacer.begin();
     }
 
-    fn start(&mut self, op: &OpDesc, scope: Scope) {
+    fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.watch.waiting_on(None);
         self.rings.start(op, scope);
     }

@@ -3,7 +3,7 @@
 
 use crate::bootstrap::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{OpDesc, OpKind, Scope};
+use crate::transport::op::{OpDesc, OpKind, Partners};
 use crate::transport::pacer::{Pacer, Wait};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -270,7 +270,7 @@ impl Watch {
     }
 
     /// Operation `op` starts with the peers of `scope` (numbered as the transports number it).
-    pub fn started(&mut self, op: &OpDesc, scope: Scope) {
+    pub fn started(&mut self, op: &OpDesc, scope: Partners) {
         self.op = *op;
         self.probed = false;
         self.ops += 1;

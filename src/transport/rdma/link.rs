@@ -362,7 +362,7 @@ impl Link for RdmaTransport {
         self.pacer.begin();
     }
 
-    fn start(&mut self, op: &OpDesc, scope: Scope) {
+    fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.numbering.start(op, scope);
         self.watch.waiting_on(None);
     }

@@ -46,7 +46,7 @@ use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::mailbox::{self, ENTRY};
 use crate::transport::numbering::Numbering;
-use crate::transport::op::{self, OpDesc, Scope};
+use crate::transport::op::{self, OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::{copy_chunk, Lending, Link, Medium, Props};

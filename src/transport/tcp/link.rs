@@ -306,7 +306,7 @@ impl Link for TcpTransport {
         Ok(())
     }
 
-    fn start(&mut self, op: &OpDesc, scope: Scope) {
+    fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.numbering.start(op, scope);
         self.watch.waiting_on(None);
     }

@@ -19,7 +19,7 @@ use crate::bootstrap::{check_tags, Reader, TAG_TCP};
 use crate::config::{Config, Poll};
 use crate::error::{Error, Peer, Result};
 use crate::transport::numbering::Numbering;
-use crate::transport::op::{self, OpDesc, Scope};
+use crate::transport::op::{self, OpDesc, Partners};
 use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::{Link, Medium, Props};

@@ -1,4 +1,4 @@
-//! Rings in shared memory between the ranks of one host: the data path of the shared-memory
+//! Slots in shared memory between the ranks of one host: the data path of the shared-memory
 //! transport, and of the same-host peers of a network transport ([`super::hybrid`]).
 //!
 //! Each rank creates one segment (an anonymous `memfd_create` file, its pages reserved up front
@@ -16,7 +16,7 @@
 use crate::bootstrap::{Reader, SideChannel};
 use crate::error::{Error, Peer, Result};
 use crate::transport::numbering::Numbering;
-use crate::transport::op::{self, OpDesc, Scope};
+use crate::transport::op::{self, OpDesc, Partners};
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -218,7 +218,7 @@ impl Pending {
         addrs: &[String],
         side: &mut SideChannel,
         all_local: bool,
-    ) -> Result<Rings> {
+    ) -> Result<Slots> {
         let n = payloads.len();
         let mut paths: Vec<Option<String>> = vec![None; n];
         let mut locals = Vec::new();
@@ -296,7 +296,7 @@ impl Pending {
         }
         let my_local = state[me].as_ref().map_or(0, |s| s.local);
         state[me] = None;
-        Ok(Rings {
+        Ok(Slots {
             mine,
             theirs,
             state,
@@ -311,7 +311,7 @@ impl Pending {
 }
 
 /// One rank's rings with its same-host peers.
-pub(crate) struct Rings {
+pub(crate) struct Slots {
     /// The segment same-host peers write to this rank (none when it has no such peer).
     mine: Option<Segment>,
     /// Each same-host peer's segment, which this rank writes, by rank.
@@ -329,7 +329,7 @@ pub(crate) struct Rings {
     numbering: Numbering,
 }
 
-impl Rings {
+impl Slots {
     /// Whether rank `p` is a same-host peer (reached through these rings).
     pub(crate) fn reaches(&self, p: usize) -> bool {
         self.state.get(p).is_some_and(|s| s.is_some())
@@ -361,7 +361,7 @@ impl Rings {
         w * self.ring + COUNTERS + (k as usize % self.slots) * (HEAD + self.chunk)
     }
 
-    /// Posts `data` (at most [`Rings::chunk`] bytes) to same-host peer `p` if a slot is free.
+    /// Posts `data` (at most [`Slots::chunk`] bytes) to same-host peer `p` if a slot is free.
     pub(crate) fn try_post(&mut self, p: usize, data: &[u8]) -> std::result::Result<bool, Fault> {
         assert!(data.len() <= self.chunk, "a chunk larger than max_chunk");
         let me = self.my_local;
@@ -451,7 +451,7 @@ impl Rings {
 
     /// Starts operation `op` with the same-host peers of `scope` (numbers and descriptors as in
     /// [`crate::transport::Link::start`]).
-    pub(crate) fn start(&mut self, op: &OpDesc, scope: Scope) {
+    pub(crate) fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.numbering.start(op, scope);
     }
 }
