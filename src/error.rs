@@ -56,6 +56,30 @@ pub enum Error {
     /// The configuration (environment or builder) is wrong or incomplete.
     #[error("configuration: {0}")]
     Config(String),
+    /// An environment variable's value cannot be used.
+    #[error("configuration: {variable}={value:?}: {reason}")]
+    BadSetting {
+        /// The variable (`RDMACOMM_TIMEOUT`).
+        variable: String,
+        /// Its value as set.
+        value: String,
+        /// Why it cannot be used, and what can.
+        reason: String,
+    },
+    /// Two ranks passed buffers of different lengths: a chunk of `got` bytes came from rank
+    /// `from` where this rank's buffer expected `want`.
+    #[error(
+        "received {got} bytes from rank {from} where {want} were expected: do all ranks pass \
+         buffers of the same length?"
+    )]
+    LengthMismatch {
+        /// The peer's rank.
+        from: usize,
+        /// The bytes its chunk carried.
+        got: usize,
+        /// The bytes this rank's buffer had room for there.
+        want: usize,
+    },
     /// Bootstrap (rendezvous over TCP) failed.
     #[error("bootstrap: {0}")]
     Bootstrap(String),
@@ -113,9 +137,15 @@ impl Error {
     /// A received chunk of `got` bytes from rank `from` where `want` were expected: the ranks
     /// passed buffers of different lengths.
     pub(crate) fn length_mismatch(got: usize, want: usize, from: usize) -> Error {
-        Error::InvalidArgument(format!(
-            "received {got} bytes from rank {from} where {want} were expected: do all ranks pass buffers of the same length?"
-        ))
+        Error::LengthMismatch { from, got, want }
+    }
+
+    /// Whether the caller's arguments are at fault (on this rank, or against a peer's).
+    pub(crate) fn is_argument(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidArgument(_) | Error::LengthMismatch { .. }
+        )
     }
 
     /// What a failed communicator returns on a later call: the same kind and peer where this
@@ -140,6 +170,11 @@ impl Error {
             Error::Aborted { by, reason } => Error::Aborted {
                 by: by.clone(),
                 reason: reason.clone(),
+            },
+            Error::LengthMismatch { from, got, want } => Error::LengthMismatch {
+                from: *from,
+                got: *got,
+                want: *want,
             },
             Error::Poisoned(why) => Error::Poisoned(why.clone()),
             e => Error::Poisoned(e.to_string()),

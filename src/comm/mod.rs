@@ -342,7 +342,7 @@ impl Comm {
                     }
                 }
                 if let Err(e) = &r {
-                    if matches!(e, Error::InvalidArgument(_)) {
+                    if e.is_argument() {
                         // Found here, inside the operation (a peer's lengths differ from this
                         // rank's): the peers learn the cause now instead of waiting on us.
                         link.abort(format!("rank {} failed inside {desc}: {e}", self.rank));

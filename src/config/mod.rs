@@ -19,6 +19,7 @@ use std::time::Duration;
 mod hostfile;
 mod launcher;
 mod settings;
+mod table;
 
 #[doc(hidden)]
 pub use launcher::device_from_env as launcher_device_from_env;
@@ -29,40 +30,17 @@ pub use crate::copy::CopyKernel;
 pub use crate::pin::Pin;
 pub use crate::verbs::{DeviceChoice, HcaList};
 
-/// Every variable the library reads; any other `RDMACOMM_*` variable is taken for a typo.
-pub const VARIABLES: [&str; 31] = [
-    "RDMACOMM_JOB_ID",
-    "RDMACOMM_SECRET",
-    "RDMACOMM_SECRET_FILE",
-    "RDMACOMM_RANK",
-    "RDMACOMM_WORLD_SIZE",
-    "RDMACOMM_COORDINATOR",
-    "RDMACOMM_BIND_ADDR",
-    "RDMACOMM_TIMEOUT",
-    "RDMACOMM_TRANSPORT",
-    "RDMACOMM_SHM",
-    "RDMACOMM_HOST_ID",
-    "RDMACOMM_IB_DEVICE",
-    "RDMACOMM_IB_PORT",
-    "RDMACOMM_GID_INDEX",
-    "RDMACOMM_IB_HCA",
-    "RDMACOMM_IB_TIMEOUT",
-    "RDMACOMM_IB_RETRY",
-    "RDMACOMM_SLOTS",
-    "RDMACOMM_SLOT_BYTES",
-    "RDMACOMM_TCP_CHUNK",
-    "RDMACOMM_ALGO",
-    "RDMACOMM_BCAST",
-    "RDMACOMM_POLL",
-    "RDMACOMM_ZERO_COPY_MIN",
-    "RDMACOMM_PIN",
-    "RDMACOMM_PROGRESS_CPU",
-    "RDMACOMM_PROGRESS",
-    "RDMACOMM_COPY",
-    "RDMACOMM_SIMD",
-    "RDMACOMM_DEBUG",
-    "RDMACOMM_DEBUG_FILE",
-];
+/// Every variable the library reads ([`table`]'s names); any other `RDMACOMM_*` variable is
+/// taken for a typo.
+pub const VARIABLES: [&str; 31] = {
+    let mut names = [""; 31];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = table::SETTINGS[i].name;
+        i += 1;
+    }
+    names
+};
 
 /// Variables of this project's tools and tests, which the library ignores.
 pub const TOOL_VARIABLES: [&str; 5] = [
@@ -175,7 +153,7 @@ pub(crate) fn env(name: &str) -> Option<String> {
 pub(crate) fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
     v.trim()
         .parse::<T>()
-        .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
+        .map_err(|_| Error::Config(format!("{name}={v:?}: not a valid number")))
 }
 
 /// A timeout in seconds: from a millisecond to 10^9 s (beyond, deadlines would overflow).
@@ -183,7 +161,7 @@ pub(crate) fn timeout_of(name: &str, v: &str) -> Result<Duration> {
     let secs: f64 = parse_num(name, v)?;
     if !(1e-3..=1e9).contains(&secs) {
         return Err(Error::Config(format!(
-            "{name}={v}: must be from 0.001 to 1e9 seconds"
+            "{name}={v:?}: must be from 0.001 to 1e9 seconds"
         )));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -205,106 +183,21 @@ impl Config {
     /// A config for `rank` of `world_size` meeting at `coordinator`, other fields from defaults
     /// and the environment (`RDMACOMM_TIMEOUT`, device overrides, slot geometry).
     pub fn new(rank: usize, world_size: usize, coordinator: impl Into<String>) -> Result<Self> {
-        // A nuvec job's own setting serves where rdmacomm's is not given.
-        let timeout = match ["RDMACOMM_TIMEOUT", "NUVEC_DISTRIBUTED_TIMEOUT"]
-            .into_iter()
-            .find_map(|n| env(n).map(|v| (n, v)))
-        {
-            Some((name, v)) => timeout_of(name, &v)?,
-            None => DEFAULT_TIMEOUT,
-        };
-        let slots = match env("RDMACOMM_SLOTS") {
-            Some(v) => parse_num("RDMACOMM_SLOTS", &v)?,
-            None => DEFAULT_SLOTS,
-        };
-        let slot_bytes = match env("RDMACOMM_SLOT_BYTES") {
-            Some(v) => parse_num("RDMACOMM_SLOT_BYTES", &v)?,
-            None => default_slot_bytes(world_size, slots),
-        };
-        let tcp_chunk = match env("RDMACOMM_TCP_CHUNK") {
-            Some(v) => parse_num("RDMACOMM_TCP_CHUNK", &v)?,
-            None => DEFAULT_TCP_CHUNK,
-        };
         check_names()?;
-        let small = |name: &str, range: std::ops::RangeInclusive<u8>| -> Result<Option<u8>> {
-            let Some(v) = env(name) else { return Ok(None) };
-            match v.trim().parse::<u8>() {
-                Ok(x) if range.contains(&x) => Ok(Some(x)),
-                _ => Err(Error::Config(format!(
-                    "{name}={v:?}: must be a whole number in {}..={}",
-                    range.start(),
-                    range.end()
-                ))),
-            }
-        };
-        let ib_timeout = small("RDMACOMM_IB_TIMEOUT", 1..=31)?;
-        let ib_retry = small("RDMACOMM_IB_RETRY", 0..=6)?;
-        let zero_copy_min = match env("RDMACOMM_ZERO_COPY_MIN") {
-            Some(v) => v.trim().parse().map_err(|_| {
-                Error::Config(format!(
-                    "RDMACOMM_ZERO_COPY_MIN={v:?}: a byte count (0 turns zero-copy sends off)"
-                ))
-            })?,
-            None => 0,
-        };
-        let copy = crate::copy::parse(env("RDMACOMM_COPY").as_deref().unwrap_or(""))?;
-        let simd_baseline = match env("RDMACOMM_SIMD").as_deref().map(str::trim) {
-            None | Some("auto") => false,
-            Some("baseline") => true,
-            Some(v) => {
-                return Err(Error::Config(format!(
-                    "RDMACOMM_SIMD={v:?}: use baseline or auto"
-                )))
-            }
-        };
-        let cfg = Config {
-            rank,
-            world_size,
-            coordinator: coordinator.into(),
-            bind_addr: env("RDMACOMM_BIND_ADDR"),
-            timeout,
-            device: device_from_env()?,
-            copy,
-            simd_baseline,
-            slot_bytes,
-            slots,
-            tcp_chunk,
-            transport: TransportKind::parse(env("RDMACOMM_TRANSPORT").as_deref().unwrap_or(""))?,
-            shm: match env("RDMACOMM_SHM").as_deref().map(str::trim) {
-                None => None,
-                Some("1") => Some(true),
-                Some("0") => Some(false),
-                Some(v) => {
-                    return Err(Error::Config(format!("RDMACOMM_SHM={v:?}: use 1 or 0")));
-                }
-            },
-            local_world: local_world_from_env(world_size)?,
-            host_id: env("RDMACOMM_HOST_ID").unwrap_or_else(host_id),
-            pin: crate::pin::Pin::parse(&env("RDMACOMM_PIN").unwrap_or_default())?,
-            progress_cpu: env("RDMACOMM_PROGRESS_CPU")
-                .map(|v| parse_num("RDMACOMM_PROGRESS_CPU", &v))
-                .transpose()?,
-            progress: Progress::parse(
-                env("RDMACOMM_PROGRESS")
-                    .as_deref()
-                    .unwrap_or("thread")
-                    .trim(),
-            )?,
-            algo: Algo::parse(env("RDMACOMM_ALGO").as_deref().unwrap_or("auto").trim())?,
-            bcast: Bcast::parse(env("RDMACOMM_BCAST").as_deref().unwrap_or("auto").trim())?,
-            poll: Poll::parse(env("RDMACOMM_POLL").as_deref().unwrap_or("auto").trim())?,
-            zero_copy_min,
-            ib_timeout,
-            ib_retry,
-            job_id: job_id_from_env(),
-            secret: secret_from_env()?,
-            discovery: Discovery::Given,
-            debug: env("RDMACOMM_DEBUG")
-                .map(|v| crate::diag::Level::parse(&v))
-                .transpose()?,
-            debug_file: env("RDMACOMM_DEBUG_FILE"),
-        };
-        let cfg = cfg.discovered();
+        let mut cfg = Config::defaults(rank, world_size, coordinator);
+        // A nuvec job's own setting serves where rdmacomm's is not given.
+        if let Some(v) = env("NUVEC_DISTRIBUTED_TIMEOUT") {
+            cfg.timeout = timeout_of("NUVEC_DISTRIBUTED_TIMEOUT", &v).map_err(|_| {
+                table::bad(
+                    "NUVEC_DISTRIBUTED_TIMEOUT",
+                    &v,
+                    "must be from 0.001 to 1e9 seconds",
+                )
+            })?;
+        }
+        table::apply(&mut cfg, &env)?;
+        cfg.device = device_from_env()?;
+        cfg.local_world = local_world_from_env(world_size)?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -78,6 +78,9 @@ impl Transport {
             crate::Error::InvalidArgument(m) | crate::Error::Config(m) => {
                 Error::InvalidArgument(format!("distributed: rank {r}: {m}"))
             }
+            e @ (crate::Error::BadSetting { .. } | crate::Error::LengthMismatch { .. }) => {
+                Error::InvalidArgument(format!("distributed: rank {r}: {e}"))
+            }
             crate::Error::Poisoned(why) => Error::Backend(format!(
                 "distributed: rank {r}: the communicator failed earlier ({why}); no further \
                  operation runs"
@@ -134,9 +137,11 @@ impl nd::Communicator for Transport {
         self.run("recv", |c, s| {
             crate::api::check_peer("recv", c.rank(), c.size(), src)?;
             let r = stream::recv(c, &mut s.streams[src], src, data);
-            if let Err(e @ crate::Error::InvalidArgument(_)) = &r {
-                // The stream from `src` is out of step: nothing after it can be trusted.
-                c.abort(&e.to_string());
+            if let Err(e) = &r {
+                if e.is_argument() {
+                    // The stream from `src` is out of step: nothing after it can be trusted.
+                    c.abort(&e.to_string());
+                }
             }
             r
         })
@@ -157,6 +162,7 @@ pub fn init(strict: bool) -> Result<Group> {
         crate::Error::Config(m) | crate::Error::InvalidArgument(m) => {
             Error::InvalidArgument(format!("distributed: {m}"))
         }
+        e @ crate::Error::BadSetting { .. } => Error::InvalidArgument(format!("distributed: {e}")),
         e => Error::Backend(format!("distributed: {e}")),
     };
     let (_, size, _) = Config::identity_from_env().map_err(err)?;

@@ -300,6 +300,30 @@ impl<'env> Overlap<'env> {
         })
     }
 
+    /// The starter of each operation, by name: every [`Request`] has one above, and a new
+    /// operation does not compile until it is listed here (and its starter written).
+    #[allow(dead_code)] // read by the compiler, for its exhaustiveness
+    fn starter(req: &Request<'_, '_>) -> &'static str {
+        match req {
+            Request::AllReduce { .. } => "all_reduce, all_reduce_bytes",
+            Request::AllGather { .. } => "all_gather",
+            Request::SumScatter { .. } => "sum_scatter, reduce_scatter",
+            Request::Broadcast { .. } => "broadcast",
+            Request::Barrier => "barrier",
+            Request::Send { .. } => "send",
+            Request::Recv { .. } => "recv",
+            Request::SendRecv { .. } => "sendrecv",
+            Request::AllToAll { .. } => "all_to_all",
+            Request::AllToAllV { .. } => "all_to_allv",
+            Request::Reduce { .. } => "reduce",
+            Request::Gather { .. } => "gather",
+            Request::Scatter { .. } => "scatter",
+            Request::AllGatherV { .. } => "all_gather_v",
+            Request::ReduceScatterV { .. } => "reduce_scatter_v",
+            Request::Batch { .. } => "batch",
+        }
+    }
+
     /// Checks `req` now, on the calling thread: a refusal is told to the peers, as a blocking
     /// call's is.
     fn check(&self, req: Request<'_, '_>) -> Result<()> {
