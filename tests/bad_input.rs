@@ -494,3 +494,14 @@ fn impossible_settings_are_errors_not_aborts() {
         out.status
     );
 }
+
+crate::matrix_shm!(
+    memlock_limit_too_low_names_ulimit,
+    missing_gid_index_and_device_are_named,
+    unknown_copy_kernel_is_named,
+    wrong_lengths_write_nothing,
+    length_mismatch_between_ranks_is_named,
+    a_second_communicator_asking_other_kernels_is_refused,
+    a_failure_between_others_passes_a_busy_rank_0,
+    impossible_settings_are_errors_not_aborts
+);

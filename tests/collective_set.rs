@@ -294,3 +294,12 @@ fn set_world_5() {
 fn set_world_8() {
     run("set_world_8", 8);
 }
+
+crate::matrix!(
+    set_world_1,
+    set_world_2,
+    set_world_3,
+    set_world_4,
+    set_world_5,
+    set_world_8
+);

@@ -457,6 +457,11 @@ fn nest(c: &Comm, bufs: &mut [Vec<u8>], depth: &mut usize) -> rdmacomm::Result<(
 }
 
 fn run(name: &str, n: usize, placement: Placement, body: fn()) {
+    run_with(name, n, placement, body, &[]);
+}
+
+/// [`run`], every rank with the variables `vars` too.
+fn run_with(name: &str, n: usize, placement: Placement, body: fn(), vars: &[(&str, &str)]) {
     if !parent_ready(name, body) {
         return;
     }
@@ -471,7 +476,11 @@ fn run(name: &str, n: usize, placement: Placement, body: fn()) {
         name,
         n,
         placement,
-        &|_| vec![("RDMACOMM_TIMEOUT".into(), "60".into())],
+        &|_| {
+            let mut v = vec![("RDMACOMM_TIMEOUT".to_string(), "60".to_string())];
+            v.extend(vars.iter().map(|(k, x)| (k.to_string(), x.to_string())));
+            v
+        },
         Duration::from_secs(900),
     );
     assert_all_ok(&r);
@@ -509,3 +518,36 @@ fn registered_world_3() {
 fn registered_world_4() {
     run("registered_world_4", 4, Placement::Local, body_registered);
 }
+
+/// World 4 on hosts of 1, 2 and 1 ranks (uneven: the flat algorithms, shared memory between
+/// ranks 1 and 2).
+#[test]
+fn world_4_over_uneven_hosts() {
+    over(Net::Hosts("a,b,b,c"), world_4);
+}
+
+/// World 4, two ranks a host, with chunks as large as RDMA's (rings of few slots): a same-host
+/// peer must buffer as many as others.
+#[test]
+fn world_4_mixed_with_large_chunks() {
+    over(Net::Mixed, || {
+        run_with(
+            "world_4",
+            4,
+            Placement::Local,
+            body,
+            &[("RDMACOMM_TCP_CHUNK", "1048576")],
+        )
+    });
+}
+
+crate::matrix!(
+    world_2,
+    world_3,
+    world_4,
+    world_5,
+    world_8,
+    world_3_across_hosts,
+    registered_world_3,
+    registered_world_4
+);

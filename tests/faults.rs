@@ -474,3 +474,14 @@ fn health_ok_then_names_a_dead_peer() {
         println!("{}", x.output.trim());
     }
 }
+
+crate::matrix!(
+    killed_before_a_collective,
+    killed_during_16mib_all_reduce,
+    killed_between_collectives,
+    coordinator_killed_between_collectives,
+    a_stopped_rank_is_named_on_every_survivor,
+    a_stopped_coordinator_is_named_on_every_survivor,
+    link_down_during_a_collective,
+    health_ok_then_names_a_dead_peer
+);

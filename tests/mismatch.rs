@@ -612,8 +612,7 @@ fn report(who: &str, n: usize, t: &Tally) {
     );
 }
 
-/// Thread-ranks of this process, over the transport `RDMACOMM_TRANSPORT` names (TCP by
-/// default): each runs `count` sequences from `first` with `run` (MISMATCH_SEED=s replays
+/// Thread-ranks of this process, over the test's [`Net`] (TCP by default): each runs `count` sequences from `first` with `run` (MISMATCH_SEED=s replays
 /// sequence s alone: a failure names its seed); rank 0's tally.
 fn threads_as_ranks(n: usize, first: u64, count: u64, run: fn(&Comm, u64, u64) -> Tally) -> Tally {
     let port = free_port();
@@ -621,6 +620,7 @@ fn threads_as_ranks(n: usize, first: u64, count: u64, run: fn(&Comm, u64, u64) -
         Ok(s) => (s.parse().expect("a seed"), 1),
         Err(_) => (first, count),
     };
+    let net = net();
     let tallies: Vec<Tally> = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..n)
             .map(|r| {
@@ -628,6 +628,7 @@ fn threads_as_ranks(n: usize, first: u64, count: u64, run: fn(&Comm, u64, u64) -
                     let mut cfg = rdmacomm::Config::new(r, n, format!("127.0.0.1:{port}"))
                         .unwrap_or_else(|e| panic!("rank {r}: {e}"));
                     cfg.timeout = TIMEOUT;
+                    configure(&mut cfg, net, r);
                     let world = Comm::new(&cfg).unwrap_or_else(|e| panic!("rank {r}: {e}"));
                     run(&world, first, count)
                 })
@@ -792,3 +793,9 @@ fn hundreds_of_changed_calls_between_processes() {
         }
     }
 }
+
+crate::matrix_shm!(
+    thousands_of_changed_calls_between_threads,
+    thousands_of_correct_programs_with_late_ranks,
+    hundreds_of_changed_calls_between_processes
+);

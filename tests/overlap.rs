@@ -627,3 +627,14 @@ fn every_operation_starts_in_an_overlap_scope() {
         spawn_local_ok(name, n, &[], Duration::from_secs(60));
     }
 }
+
+crate::matrix!(
+    a_dead_peer_fails_every_pending_operation,
+    operations_in_flight_with_blocking_ones,
+    caller_progress_moves_operations_only_inside_calls,
+    operations_in_flight_under_caller_progress,
+    abort_ends_every_pending_call_on_every_rank,
+    a_blocking_call_runs_the_operations_started_before_it,
+    a_test_does_not_wait_for_a_late_peer,
+    every_operation_starts_in_an_overlap_scope
+);

@@ -577,3 +577,15 @@ fn repeated_calls_allocate_nothing() {
         spawn_local_ok(NAME, n, &[], Duration::from_secs(300));
     }
 }
+
+/// The hot path allocates nothing in the hierarchical all_reduce either (2 hosts of 2 ranks).
+#[test]
+fn repeated_calls_allocate_nothing_mixed() {
+    over(Net::Mixed, repeated_calls_allocate_nothing);
+}
+
+crate::matrix_shm!(
+    soak_mixed_collectives_and_no_leaks,
+    chunk_counters_wrap_past_16_bits,
+    repeated_calls_allocate_nothing
+);

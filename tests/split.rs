@@ -261,3 +261,12 @@ fn a_failed_split_set_up_is_told_to_every_rank() {
     let res = spawn(NAME, 3, Placement::Local, &env, Duration::from_secs(90));
     assert_all_ok(&res);
 }
+
+crate::matrix!(
+    split_six_ranks_interleaved,
+    identity_comm_is_a_world_of_one,
+    broadcast_chain_and_tree_five_ranks,
+    a_world_of_one_dups_and_splits_into_a_world_of_one,
+    a_split_across_hosts_picks_its_own_transports,
+    a_failed_split_set_up_is_told_to_every_rank
+);

@@ -794,3 +794,17 @@ fn a_restarted_rank_takes_its_place() {
         res[0].output
     );
 }
+
+crate::matrix_shm!(
+    strangers_are_ignored_and_the_job_completes,
+    another_anonymous_job_never_ends_this_one,
+    idle_strangers_never_keep_a_rank_out,
+    a_shared_secret_keeps_out_whoever_lacks_it,
+    ipv6_loopback_works,
+    a_world_past_the_bound_is_refused_by_name,
+    fifty_failed_rendezvous_leave_nothing_behind,
+    a_fake_coordinator_learns_no_card,
+    a_joiner_that_stops_reading_is_named_within_the_deadline,
+    an_impostor_on_the_data_port_changes_nothing,
+    a_restarted_rank_takes_its_place
+);

@@ -386,3 +386,11 @@ fn fork_between_collectives_is_safe() {
     }
     spawn_local_ok(name, 2, &[], Duration::from_secs(120));
 }
+
+crate::matrix!(
+    mismatched_calls_are_named_on_every_rank,
+    two_threads_never_cross_data,
+    a_panic_poisons_and_is_told_to_the_peers,
+    a_bad_setting_on_one_rank_is_named_on_every_rank,
+    fork_between_collectives_is_safe
+);

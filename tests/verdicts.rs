@@ -242,10 +242,12 @@ fn a_set_up_failure_is_told_to_every_rank() {
     if !parent_ready(NAME, setup_body) {
         return;
     }
-    let shm = std::env::var("RDMACOMM_TRANSPORT").is_ok_and(|t| t == "shm");
+    let shm = net() == Net::Shm || std::env::var("RDMACOMM_TRANSPORT").is_ok_and(|t| t == "shm");
     // SAFETY: getuid has no preconditions.
     if !shm || require_rdma() || unsafe { libc::getuid() } != 0 {
-        println!("SKIPPED: needs RDMACOMM_TRANSPORT=shm and root (to run one rank as nobody)");
+        println!(
+            "SKIPPED: needs shared memory (its over_shm copy) and root (to run one rank as nobody)"
+        );
         return;
     }
     let out = spawn(
@@ -269,3 +271,10 @@ fn a_set_up_failure_is_told_to_every_rank() {
         assert!(x.output.contains("SETUP-TOLD"), "{}", x.output);
     }
 }
+
+crate::matrix_shm!(
+    a_late_receiver_is_not_a_mismatch,
+    a_stall_between_two_ranks_names_the_late_one,
+    faults_are_found_fast_with_every_polling_mode,
+    a_set_up_failure_is_told_to_every_rank
+);

@@ -30,7 +30,7 @@ pub use crate::copy::CopyKernel;
 pub use crate::pin::Pin;
 pub use crate::verbs::{DeviceChoice, HcaList};
 
-/// Every variable the library reads ([`table`]'s names); any other `RDMACOMM_*` variable is
+/// Every variable the library reads (the names in `config/table.rs`); any other `RDMACOMM_*` variable is
 /// taken for a typo.
 pub const VARIABLES: [&str; 31] = {
     let mut names = [""; 31];

@@ -5,6 +5,7 @@
 pub mod handshake;
 pub mod reference;
 
+use std::cell::Cell;
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -132,6 +133,123 @@ pub enum Placement {
     Hosts,
 }
 
+/// What carries a test's ranks: the transport matrix every multi-rank suite runs over in one
+/// plain `cargo test` (its `over_shm::` and `over_mixed::` copies, from [`matrix!`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Net {
+    /// What `RDMACOMM_TRANSPORT` names: TCP where it is unset; RDMA in the VM stage.
+    Env,
+    /// Shared memory (`RDMACOMM_TRANSPORT=shm`).
+    Shm,
+    /// TCP and shared memory at once, ranks two to a host (`auto` with host ids).
+    Mixed,
+    /// TCP and shared memory, each rank's host named in a list (`a,b,b,c`: uneven hosts).
+    Hosts(&'static str),
+}
+
+thread_local! {
+    /// The net of the test running on this thread.
+    static NET: Cell<Net> = const { Cell::new(Net::Env) };
+}
+
+/// The net of the test running on this thread.
+pub fn net() -> Net {
+    NET.with(Cell::get)
+}
+
+/// Runs `test` with its ranks over `net`. The VM stage runs every test over RDMA alone, so
+/// there the copies for other nets only say so.
+pub fn over(net: Net, test: fn()) {
+    if require_rdma() {
+        println!("SKIPPED: the {net:?} copy runs on the host");
+        return;
+    }
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            NET.with(|n| n.set(Net::Env));
+        }
+    }
+    let _reset = Reset;
+    NET.with(|n| n.set(net));
+    test();
+}
+
+/// The variables rank `r` of a job over `net` gets (before the test's own, which win).
+pub fn net_vars(net: Net, r: usize) -> Vec<(String, String)> {
+    let v = |k: &str, v: String| (k.to_string(), v);
+    match net {
+        Net::Env if require_rdma() => vec![v("RDMACOMM_TRANSPORT", "rdma".into())],
+        Net::Env if std::env::var_os("RDMACOMM_TRANSPORT").is_none() => {
+            vec![v("RDMACOMM_TRANSPORT", "tcp".into())]
+        }
+        Net::Env => vec![],
+        Net::Shm => vec![v("RDMACOMM_TRANSPORT", "shm".into())],
+        Net::Mixed => vec![
+            v("RDMACOMM_TRANSPORT", "auto".into()),
+            v("RDMACOMM_HOST_ID", format!("test-host-{}", r / 2)),
+            v("RXE_TEST_RANKS_PER_HOST", "2".into()),
+        ],
+        Net::Hosts(list) => vec![
+            v("RDMACOMM_TRANSPORT", "auto".into()),
+            v(
+                "RDMACOMM_HOST_ID",
+                format!("test-host-{}", list.split(',').nth(r).unwrap_or("x")),
+            ),
+            v("RXE_TEST_HOSTS", list.into()),
+        ],
+    }
+}
+
+/// Sets `cfg` (rank `r`'s, made in this process) to run over `net`, as [`net_vars`] does for a
+/// rank process.
+pub fn configure(cfg: &mut rdmacomm::Config, net: Net, r: usize) {
+    use rdmacomm::config::TransportKind;
+    for (k, v) in net_vars(net, r) {
+        match k.as_str() {
+            "RDMACOMM_TRANSPORT" => cfg.transport = TransportKind::parse(&v).expect("a transport"),
+            "RDMACOMM_HOST_ID" => cfg.host_id = v,
+            _ => {}
+        }
+    }
+}
+
+/// Copies the named tests (each a `fn()` of a file that has [`over`] and [`Net`] in scope)
+/// into `over_shm::` and `over_mixed::`,
+/// whose ranks run over shared memory, and over TCP and shared memory at once: with the
+/// originals (over TCP, or what `RDMACOMM_TRANSPORT` names) a plain `cargo test` covers the
+/// transport matrix.
+#[macro_export]
+macro_rules! matrix {
+    ($($test:ident),* $(,)?) => {
+        mod over_shm {
+            $(#[test]
+            fn $test() {
+                super::over(super::Net::Shm, super::$test)
+            })*
+        }
+        mod over_mixed {
+            $(#[test]
+            fn $test() {
+                super::over(super::Net::Mixed, super::$test)
+            })*
+        }
+    };
+}
+
+/// As [`matrix!`], over shared memory alone.
+#[macro_export]
+macro_rules! matrix_shm {
+    ($($test:ident),* $(,)?) => {
+        mod over_shm {
+            $(#[test]
+            fn $test() {
+                super::over(super::Net::Shm, super::$test)
+            })*
+        }
+    };
+}
+
 /// Held while a test edits this process's environment and while children are spawned (they
 /// inherit it), so tests running in parallel threads never pass each other's edits on.
 pub static ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -162,8 +280,8 @@ pub fn spawn(
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if require_rdma() {
-            c.env("RDMACOMM_TRANSPORT", "rdma");
+        for (k, v) in net_vars(net(), r) {
+            c.env(k, v);
         }
         if placement == Placement::Hosts && hosts > 0 {
             let h = r % hosts;

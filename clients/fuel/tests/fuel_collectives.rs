@@ -5,6 +5,8 @@
 
 mod harness;
 
+use harness::common::{over, Net};
+
 use fuel::lazy::Tensor;
 use fuel::{DType, Device, Shape};
 use fuel_parallel::comm::{Communicator, ReduceOp};
@@ -402,3 +404,13 @@ fn a_broadcast_of_another_dtype_fails_on_every_rank() {
         broadcast_differs,
     );
 }
+
+crate::matrix!(
+    every_dtype_and_reduction_equals_fuels_own_fold,
+    max_and_min_propagate_nan,
+    tensor_parallel_layers_equal_the_whole_layer,
+    gathers_and_scatters_along_every_dim,
+    a_reduce_scatter_that_does_not_divide_is_named,
+    ranks_passing_different_shapes_fail_on_every_rank,
+    a_broadcast_of_another_dtype_fails_on_every_rank
+);

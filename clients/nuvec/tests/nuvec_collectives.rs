@@ -4,6 +4,8 @@
 
 mod harness;
 
+use harness::common::{over, Net};
+
 use harness::{ranks, ranks_with, tagged};
 use nuvec_core::distributed::{self, Group};
 use nuvec_core::{array, grad, vmap, Array, Complex64, DType};
@@ -523,3 +525,18 @@ fn a_scope_through_comm_keeps_its_owner() {
     .unwrap();
     assert_eq!(out, one);
 }
+
+crate::matrix!(
+    collectives_on_two_ranks,
+    collectives_on_three_ranks,
+    collectives_on_four_ranks,
+    float_sums_agree_bit_for_bit_across_ranks_and_reruns,
+    large_arrays_on_two_and_four_ranks,
+    send_and_recv_between_any_two_ranks,
+    collectives_compose_with_transforms,
+    a_peer_that_exits_is_named_on_the_others,
+    group_split_sums_inside_the_subgroups,
+    a_collective_evaluated_on_a_worker_thread,
+    a_single_process_runs_unchanged,
+    a_scope_through_comm_keeps_its_owner
+);

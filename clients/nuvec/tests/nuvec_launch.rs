@@ -4,6 +4,8 @@
 
 mod harness;
 
+use harness::common::{over, Net};
+
 use harness::common::{assert_all_ok, is_child, transport_ready, ENV_LOCK};
 use harness::ranks_raw;
 use nuvec_core::distributed::{self, Communicator};
@@ -64,8 +66,8 @@ fn a_nuvec_launch_with_mlx_hostfile_runs_unchanged() {
                 ] {
                     c.env_remove(v);
                 }
-                if harness::common::require_rdma() {
-                    c.env("RDMACOMM_TRANSPORT", "rdma");
+                for (k, v) in harness::common::net_vars(harness::common::net(), r) {
+                    c.env(k, v);
                 }
                 c.spawn().unwrap()
             })
@@ -256,3 +258,9 @@ fn a_second_call_at_once_is_refused_naming_the_rank_once() {
         two_at_once,
     );
 }
+
+crate::matrix!(
+    a_nuvec_launch_with_mlx_hostfile_runs_unchanged,
+    sum_scatter_and_health_as_nuvec_06_defines_them,
+    a_second_call_at_once_is_refused_naming_the_rank_once
+);

@@ -4,6 +4,8 @@
 
 mod harness;
 
+use harness::common::{over, Net};
+
 use harness::ranks;
 use nuvec::distributed::Group;
 use nuvec::{grad, random, Array, DType, Quant};
@@ -178,3 +180,8 @@ fn a_tensor_parallel_block_equals_the_whole_block() {
         }
     }
 }
+
+crate::matrix!(
+    sharded_layers_equal_the_whole_layers,
+    a_tensor_parallel_block_equals_the_whole_block
+);
