@@ -30,8 +30,8 @@ pub use crate::copy::CopyKernel;
 pub use crate::pin::Pin;
 pub use crate::verbs::{DeviceChoice, HcaList};
 
-/// Every variable the library reads (the names in `config/table.rs`); any other `RDMACOMM_*` variable is
-/// taken for a typo.
+/// Every variable the library reads (the names in `config/table.rs`); any other `RDMACOMM_*`
+/// variable is taken for a typo.
 pub const VARIABLES: [&str; 31] = {
     let mut names = [""; 31];
     let mut i = 0;
