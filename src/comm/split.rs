@@ -171,11 +171,12 @@ impl Comm {
     /// link knows: every one over shared memory alone, else as its hosts say; `None` where it
     /// cannot tell (a subgroup then finds out at its own rendezvous).
     fn members_here(&self, members: &[usize]) -> Option<usize> {
-        if self.medium == Some(crate::transport::Medium::SharedMemory) {
+        let g = self.lock();
+        let props = g.link.as_ref()?.props();
+        if props.shares_memory {
             return Some(members.len());
         }
-        let g = self.lock();
-        let hosts = g.link.as_ref()?.props().hosts.as_deref()?;
+        let hosts = props.hosts.as_deref()?;
         let mine = *hosts.get(self.rank)?;
         Some(
             members
