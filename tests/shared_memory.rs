@@ -273,3 +273,57 @@ fn a_rank_killed_during_a_collective_is_named_and_leaves_nothing() {
     every_survivor_names_rank_1_soon(&outs);
     assert_eq!(dev_shm(), before, "nothing left in /dev/shm");
 }
+
+/// Joins, all-reduces 10 000 floats and checks them, then says the sizes of the shared-memory
+/// segments this rank maps (its own and each same-host peer's), from `/proc/self/maps`.
+fn body_and_segments() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let mut d: Vec<f32> = (0..10_000).map(|i| (r * 7 + i % 100) as f32).collect();
+    c.all_reduce(AllReduce::Sum, DType::f32, bytemuck::cast_slice_mut(&mut d))
+        .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    for (i, &x) in d.iter().enumerate() {
+        let want: f32 = (0..n).map(|q| (q * 7 + i % 100) as f32).sum();
+        assert_eq!(x, want, "rank {r}: element {i}");
+    }
+    println!("RESULT rank {r}: CHECKED");
+    let sizes: Vec<u64> = std::fs::read_to_string("/proc/self/maps")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("memfd:rdmacomm"))
+        .filter_map(|l| {
+            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            Some(u64::from_str_radix(b, 16).ok()? - u64::from_str_radix(a, 16).ok()?)
+        })
+        .collect();
+    let max = sizes.iter().max().copied().unwrap_or(0);
+    println!("RESULT rank {r}: SEGMENTS {} LARGEST {max}", sizes.len());
+    drop(c);
+}
+
+/// 16 ranks on one host: each rank's segment (a ring for every rank of the host) stays within
+/// 4 MiB, so the host's shared memory grows with its ranks, not their square (16 x 8.4 MB each
+/// before), and the all_reduce is still right.
+#[test]
+fn sixteen_ranks_share_memory_within_the_bound() {
+    let name = "sixteen_ranks_share_memory_within_the_bound";
+    if !parent_ready(name, body_and_segments) {
+        return;
+    }
+    let n = 16;
+    let outs = run(name, n, &|_| {
+        vars(&[("RDMACOMM_TRANSPORT", "shm"), ("RDMACOMM_TIMEOUT", "30")])
+    });
+    for (r, out) in outs.iter().enumerate() {
+        assert!(out.contains("CHECKED"), "rank {r}: {out}");
+        let seg = out.split("SEGMENTS ").nth(1).expect("its segments");
+        let mut w = seg.split_whitespace();
+        let count: usize = w.next().and_then(|c| c.parse().ok()).expect("a count");
+        let largest: u64 = w.nth(1).and_then(|c| c.parse().ok()).expect("a size");
+        assert_eq!(count, n, "rank {r}: its own segment and each peer's: {out}");
+        assert!(
+            largest <= 4 << 20,
+            "rank {r}: a segment of {largest} bytes: {out}"
+        );
+    }
+}

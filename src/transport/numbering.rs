@@ -47,16 +47,16 @@ impl Numbering {
     pub(crate) fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.op = *op;
         self.wire = op.encode();
-        for (p, c) in self.peers.iter_mut().enumerate() {
-            if scope.counts(p, true) {
-                c.out = c.out.wrapping_add(1);
-                c.first_out = true;
-            }
-            if scope.counts(p, false) {
-                c.inn = c.inn.wrapping_add(1);
-                c.first_in = true;
-            }
-        }
+        let n = self.peers.len();
+        let peers = &mut self.peers;
+        scope.each(n, true, |p| {
+            peers[p].out = peers[p].out.wrapping_add(1);
+            peers[p].first_out = true;
+        });
+        scope.each(n, false, |p| {
+            peers[p].inn = peers[p].inn.wrapping_add(1);
+            peers[p].first_in = true;
+        });
     }
 
     /// The descriptor of the operation under way, numbered for what this rank sends to `p`.
@@ -128,6 +128,28 @@ mod tests {
         assert!(
             why.contains("rank 1") && why.contains("operation 2"),
             "{why}"
+        );
+    }
+
+    #[test]
+    fn a_batch_numbers_only_the_peers_it_uses() {
+        let mut a = Numbering::new(0, 4);
+        let send = OpDesc::new(OpKind::Batch, 0);
+        a.start(
+            &send,
+            Partners::Peers {
+                to: &[2, 3],
+                from: &[1],
+            },
+        );
+        assert!(a.first_to(2) && a.first_to(3) && !a.first_to(1));
+        assert!(a.first_from(1) && !a.first_from(2) && !a.first_from(3));
+        let seq = |w: [u8; op::WIRE]| OpDesc::decode(&w, 0).map(|d| d.seq);
+        assert_eq!(seq(a.desc_to(2)), Some(0));
+        assert_eq!(
+            seq(a.desc_to(1)),
+            Some(u64::MAX),
+            "nothing sent to rank 1 yet"
         );
     }
 }

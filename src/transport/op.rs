@@ -139,17 +139,23 @@ pub enum Partners<'a> {
 }
 
 impl Partners<'_> {
-    /// Whether the operation sends to `p` (`out`) or receives from it (`!out`).
-    pub fn counts(self, p: usize, out: bool) -> bool {
+    /// Calls `f` with every rank below `n` the operation sends to (`out`) or receives from
+    /// (`!out`), each once: the peers it uses, not the whole world (a batch's lists hold
+    /// distinct ranks).
+    pub fn each(self, n: usize, out: bool, mut f: impl FnMut(usize)) {
+        let one = |q: usize, f: &mut dyn FnMut(usize)| {
+            if q < n {
+                f(q)
+            }
+        };
         match self {
-            Partners::All => true,
-            Partners::To(q) => out && q == p,
-            Partners::From(q) => !out && q == p,
+            Partners::All => (0..n).for_each(f),
+            Partners::To(q) if out => one(q, &mut f),
+            Partners::From(q) if !out => one(q, &mut f),
+            Partners::To(_) | Partners::From(_) => {}
             Partners::Peers { to, from } => {
-                if out {
-                    to.contains(&p)
-                } else {
-                    from.contains(&p)
+                for &q in if out { to } else { from } {
+                    one(q, &mut f);
                 }
             }
         }

@@ -31,6 +31,34 @@ const DESC_AT: usize = 16;
 /// The two counters' cache lines ahead of a ring's slots.
 const COUNTERS: usize = 128;
 
+/// Bytes of a rank's segment (a ring for each rank of its host): past it the rings' geometry
+/// shrinks ([`fit`]), so that a host's shared memory grows with its ranks, not their square
+/// (64 ranks: 256 MiB at most).
+pub const RING_BUDGET: usize = 4 << 20;
+/// The smallest chunk [`fit`] shrinks a ring's slots to.
+const MIN_CHUNK: usize = 4 << 10;
+
+/// The geometry of the rings of a host of `peers` + 1 ranks, from `slots` x `chunk` bytes each:
+/// halved slots down to four, then (unless `chunk_fixed`: a network's chunk must fit whole)
+/// halved chunks down to [`MIN_CHUNK`], then slots down to two, until they fit [`RING_BUDGET`].
+/// Every rank of a host computes the same from the same inputs.
+pub(crate) fn fit(slots: usize, chunk: usize, peers: usize, chunk_fixed: bool) -> (usize, usize) {
+    let (mut s, mut c) = (slots, chunk);
+    let room = |s: usize, c: usize| (peers + 1) * (COUNTERS + s * (HEAD + c));
+    while room(s, c) > RING_BUDGET {
+        if s > 4 {
+            s /= 2;
+        } else if !chunk_fixed && c > MIN_CHUNK {
+            c = (c / 2).max(MIN_CHUNK);
+        } else if s > 2 {
+            s -= 1;
+        } else {
+            break;
+        }
+    }
+    (s, c)
+}
+
 /// Slots per ring for chunks of `chunk` bytes: [`SLOTS`] x [`CHUNK`] of room, two at least.
 pub fn slots_for(chunk: usize) -> usize {
     (SLOTS * CHUNK / chunk.max(1)).clamp(2, SLOTS)
@@ -181,16 +209,26 @@ pub(crate) struct Pending {
     host: String,
     slots: usize,
     chunk: usize,
+    /// Whether the chunk is a network's, which every ring must hold whole ([`fit`]).
+    chunk_fixed: bool,
 }
 
 impl Pending {
-    /// Creates this rank's (empty) segment for rings of `slots` x `chunk` bytes on `host`.
-    pub(crate) fn new(host: &str, slots: usize, chunk: usize) -> Result<Pending> {
+    /// Creates this rank's (empty) segment for rings of up to `slots` x `chunk` bytes on
+    /// `host` (fewer or smaller where many ranks share the host, see [`fit`]; the chunk only if
+    /// not `chunk_fixed`).
+    pub(crate) fn new(
+        host: &str,
+        slots: usize,
+        chunk: usize,
+        chunk_fixed: bool,
+    ) -> Result<Pending> {
         Ok(Pending {
             file: create_file()?,
             host: host.to_string(),
             slots,
             chunk,
+            chunk_fixed,
         })
     }
 
@@ -255,7 +293,9 @@ impl Pending {
             }
             locals.push(p);
         }
-        let ring = COUNTERS + self.slots * (HEAD + self.chunk);
+        let peers = locals.len().saturating_sub(1);
+        let (slots, chunk) = fit(self.slots, self.chunk, peers, self.chunk_fixed);
+        let ring = COUNTERS + slots * (HEAD + chunk);
         let len = locals.len() * ring;
         // Alone on its host, a rank maps nothing (but still meets the others at the barriers).
         let mut mine = if locals.len() > 1 {
@@ -302,8 +342,8 @@ impl Pending {
             state,
             my_local,
             hosts,
-            slots: self.slots,
-            chunk: self.chunk,
+            slots,
+            chunk,
             ring,
             numbering: Numbering::new(me, n),
         })
@@ -503,6 +543,41 @@ mod tests {
             .map(|d| d.count())
             .unwrap_or(0);
         assert_eq!(shm_before, shm_after, "nothing named in /dev/shm");
+    }
+
+    #[test]
+    fn a_host_s_rings_grow_with_its_ranks_not_their_square() {
+        let ring = |(s, c): (usize, usize)| COUNTERS + s * (HEAD + c);
+        // Up to 7 ranks on a host: the full geometry.
+        for peers in 1..=6 {
+            assert_eq!(
+                fit(SLOTS, CHUNK, peers, false),
+                (SLOTS, CHUNK),
+                "{peers} peers"
+            );
+        }
+        for ranks in [2usize, 8, 16, 32, 64, 128, 256] {
+            let g = fit(SLOTS, CHUNK, ranks - 1, false);
+            let (s, c) = g;
+            assert!(
+                s >= 2 && (MIN_CHUNK..=CHUNK).contains(&c),
+                "{ranks} ranks: {g:?}"
+            );
+            // What one rank's segment holds (a ring per rank of the host).
+            let segment = ranks * ring(g);
+            assert!(segment <= RING_BUDGET, "{ranks} ranks: {segment} bytes");
+            let host = ranks * segment;
+            if ranks == 64 {
+                assert!(
+                    host <= 256 << 20,
+                    "64 ranks: {} MiB on the host",
+                    host >> 20
+                );
+            }
+        }
+        // A network's chunk stays whole: only the slots shrink, to two.
+        assert_eq!(fit(SLOTS, 65408, 63, true), (2, 65408));
+        assert_eq!(fit(2, 1 << 20, 3, true), (2, 1 << 20));
     }
 
     #[test]

@@ -274,20 +274,21 @@ impl Watch {
         self.op = *op;
         self.probed = false;
         self.ops += 1;
-        for p in 0..self.seq_out.len() {
-            if scope.counts(p, true) {
-                let k = self.seq_out[p].wrapping_add(1);
-                self.seq_out[p] = k;
-                self.sent[p][k as usize % HISTORY] = (k, *op);
-                self.out_at[p] = self.ops;
-            }
-            if scope.counts(p, false) {
-                let k = self.seq_in[p].wrapping_add(1);
-                self.seq_in[p] = k;
-                self.recvd[p][k as usize % HISTORY] = (k, *op);
-                self.in_at[p] = self.ops;
-            }
-        }
+        let (n, ops) = (self.seq_out.len(), self.ops);
+        let (seq_out, sent, out_at) = (&mut self.seq_out, &mut self.sent, &mut self.out_at);
+        scope.each(n, true, |p| {
+            let k = seq_out[p].wrapping_add(1);
+            seq_out[p] = k;
+            sent[p][k as usize % HISTORY] = (k, *op);
+            out_at[p] = ops;
+        });
+        let (seq_in, recvd, in_at) = (&mut self.seq_in, &mut self.recvd, &mut self.in_at);
+        scope.each(n, false, |p| {
+            let k = seq_in[p].wrapping_add(1);
+            seq_in[p] = k;
+            recvd[p][k as usize % HISTORY] = (k, *op);
+            in_at[p] = ops;
+        });
     }
 
     /// Reads the side channel now: a peer's abort or a closed connection becomes our failure,
