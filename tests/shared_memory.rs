@@ -311,11 +311,29 @@ fn sixteen_ranks_share_memory_within_the_bound() {
         return;
     }
     let n = 16;
-    let outs = run(name, n, &|_| {
-        vars(&[("RDMACOMM_TRANSPORT", "shm"), ("RDMACOMM_TIMEOUT", "30")])
-    });
-    for (r, out) in outs.iter().enumerate() {
+    let env = |_| {
+        vars(&[
+            ("RDMACOMM_TRANSPORT", "shm"),
+            ("RDMACOMM_TIMEOUT", "30"),
+            ("RDMACOMM_DEBUG", "info"),
+        ])
+    };
+    let outs = spawn(name, n, Placement::Local, &env, Duration::from_secs(60));
+    for (r, out) in outs.iter().map(|x| &x.output).enumerate() {
         assert!(out.contains("CHECKED"), "rank {r}: {out}");
+        // The transport's own accounting, in its summary, says the same.
+        let held = out.split("holds ").nth(1).expect("the summary");
+        let mib = |what: &str| -> f64 {
+            let at = held.find(what).expect(what);
+            held[..at]
+                .split_whitespace()
+                .last()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert!(mib(" MiB shared") <= 4.0, "rank {r}: {held}");
+        assert!(mib(" MiB of peers'") <= 15.0 * 4.0, "rank {r}: {held}");
         let seg = out.split("SEGMENTS ").nth(1).expect("its segments");
         let mut w = seg.split_whitespace();
         let count: usize = w.next().and_then(|c| c.parse().ok()).expect("a count");

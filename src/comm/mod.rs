@@ -142,7 +142,7 @@ impl Comm {
         let medium = link.as_ref().map(|l| l.props().medium);
         let described = link.as_ref().map(|l| l.describe());
         if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
-            summarise(&cfg, l.local_rank(), d, algo);
+            summarise(&cfg, l.local_rank(), d, algo, l.holds());
         }
         let me = link.as_ref().map_or(
             Peer {

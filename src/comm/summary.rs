@@ -9,6 +9,7 @@ pub(super) fn summarise(
     (local, nlocal): (usize, usize),
     described: &str,
     algo: Algo,
+    holds: crate::transport::Holdings,
 ) {
     if !log::log_enabled!(log::Level::Info) {
         return;
@@ -30,7 +31,8 @@ pub(super) fn summarise(
     log::info!(
         "rank {} of {}: {described}; {nlocal} ranks on this host (local rank {local}), host id \
          {:?}; RDMA slots {} x {} B, TCP chunk {} B, zero-copy from {} B; all_reduce {algo:?} \
-         (recursive doubling up to {} B), broadcast {:?}; progress {:?}, polling {:?}",
+         (recursive doubling up to {} B), broadcast {:?}; progress {:?}, polling {:?}; holds \
+         {holds}",
         cfg.rank,
         cfg.world_size,
         cfg.host_id,

@@ -290,4 +290,7 @@ impl Transport for HybridTransport {
     fn note_progress(&mut self) {
         self.net.note_progress();
     }
+    fn holds(&self) -> crate::transport::Holdings {
+        self.net.holds() + self.rings.holds()
+    }
 }

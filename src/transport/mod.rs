@@ -195,6 +195,46 @@ pub(crate) fn copy_chunk(src: &[u8], dst: &mut [u8], peer: usize) -> Result<()> 
     Ok(())
 }
 
+/// What a transport holds: the facts its memory and connection bounds are checked against,
+/// and the `info` summary prints.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Holdings {
+    /// Registered (pinned) bytes of its own (not the caller's registered buffers).
+    pub pinned: usize,
+    /// Bytes of the shared-memory segment this rank created.
+    pub shared: usize,
+    /// Bytes of same-host peers' segments this rank maps.
+    pub mapped: usize,
+    /// Network connections (queue pairs or sockets) to peers.
+    pub connections: usize,
+}
+
+impl std::ops::Add for Holdings {
+    type Output = Holdings;
+    fn add(self, o: Holdings) -> Holdings {
+        Holdings {
+            pinned: self.pinned + o.pinned,
+            shared: self.shared + o.shared,
+            mapped: self.mapped + o.mapped,
+            connections: self.connections + o.connections,
+        }
+    }
+}
+
+impl std::fmt::Display for Holdings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        write!(
+            f,
+            "{:.1} MiB pinned, {:.1} MiB shared (and {:.1} MiB of peers' mapped), {} connections",
+            mib(self.pinned),
+            mib(self.shared),
+            mib(self.mapped),
+            self.connections
+        )
+    }
+}
+
 /// A transport a communicator can own: a [`Link`] that can also check its peers' health and say
 /// what it runs on.
 pub trait Transport: Link + Send {
@@ -214,6 +254,8 @@ pub trait Transport: Link + Send {
     fn poll_now(&mut self) -> Result<bool>;
     /// Something outside this transport moved (its no-progress clock restarts).
     fn note_progress(&mut self);
+    /// What it holds now.
+    fn holds(&self) -> Holdings;
 }
 
 pub use crate::config::TransportKind;

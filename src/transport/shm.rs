@@ -190,4 +190,7 @@ impl crate::transport::Transport for ShmTransport {
         Ok(false)
     }
     fn note_progress(&mut self) {}
+    fn holds(&self) -> crate::transport::Holdings {
+        self.rings.holds()
+    }
 }

@@ -370,6 +370,15 @@ pub(crate) struct Slots {
 }
 
 impl Slots {
+    /// What these rings hold: this rank's segment, and the peers' it maps.
+    pub(crate) fn holds(&self) -> crate::transport::Holdings {
+        crate::transport::Holdings {
+            shared: self.mine.as_ref().map_or(0, |m| m.map.len()),
+            mapped: self.theirs.iter().flatten().map(|s| s.map.len()).sum(),
+            ..Default::default()
+        }
+    }
+
     /// Whether rank `p` is a same-host peer (reached through these rings).
     pub(crate) fn reaches(&self, p: usize) -> bool {
         self.state.get(p).is_some_and(|s| s.is_some())

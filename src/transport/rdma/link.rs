@@ -413,4 +413,11 @@ impl crate::transport::Transport for RdmaTransport {
     fn note_progress(&mut self) {
         RdmaTransport::note_progress(self)
     }
+    fn holds(&self) -> crate::transport::Holdings {
+        crate::transport::Holdings {
+            pinned: self.buf.len(),
+            connections: self.peers.iter().flatten().count(),
+            ..Default::default()
+        }
+    }
 }

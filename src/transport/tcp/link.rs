@@ -356,4 +356,10 @@ impl crate::transport::Transport for TcpTransport {
     fn note_progress(&mut self) {
         TcpTransport::note_progress(self)
     }
+    fn holds(&self) -> crate::transport::Holdings {
+        crate::transport::Holdings {
+            connections: self.conns.iter().flatten().count(),
+            ..Default::default()
+        }
+    }
 }
