@@ -157,7 +157,7 @@ pub(super) fn coordinate(
     let sa = resolve(&cfg.coordinator)?;
     let listener = match listener {
         Some(l) => l,
-        None => TcpListener::bind(sa).map_err(|e| {
+        None => listen(sa).map_err(|e| {
             Error::Bootstrap(format!(
                 "rank 0 cannot listen on {sa}: {e}{}",
                 if e.kind() == ErrorKind::AddrInUse {

@@ -70,7 +70,7 @@ pub fn meeting_point(cfg: &Config) -> Result<MeetingPoint> {
             let mut listener = None;
             if cfg.rank == 0 {
                 let ip = own_ip(&cfg)?;
-                let l = TcpListener::bind((ip.as_str(), 0))
+                let l = super::listen((ip.as_str(), 0))
                     .map_err(|e| Error::Bootstrap(format!("rank 0 cannot listen on {ip}: {e}")))?;
                 cfg.coordinator = l.local_addr()?.to_string();
                 pmix.publish(&key, &cfg.coordinator)?;
@@ -89,8 +89,8 @@ pub fn meeting_point(cfg: &Config) -> Result<MeetingPoint> {
 
 /// A listener on `port` of every interface (IPv6 and IPv4 where the host has both).
 fn listen_everywhere(port: u16) -> Result<TcpListener> {
-    TcpListener::bind(("::", port))
-        .or_else(|_| TcpListener::bind(("0.0.0.0", port)))
+    super::listen(("::", port))
+        .or_else(|_| super::listen(("0.0.0.0", port)))
         .map_err(|e| {
             Error::Bootstrap(format!(
                 "rank 0 cannot listen on port {port} (derived from SLURM_JOB_ID and \

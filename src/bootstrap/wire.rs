@@ -2,8 +2,35 @@
 
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::Instant;
+
+/// The backlog of every listener of the rendezvous and the TCP mesh: a whole world may connect at
+/// once, and a full queue drops connection attempts, each then retried a second later (std's
+/// listeners queue 128). The kernel caps it at `net.core.somaxconn`.
+const BACKLOG: i32 = 65535;
+
+/// A TCP listener on the first of `addr`'s addresses that binds, as std's (address reuse, close
+/// on exec) but with room for a whole world's connections in its queue.
+pub(crate) fn listen<A: ToSocketAddrs>(addr: A) -> std::io::Result<TcpListener> {
+    let mut last = std::io::Error::new(ErrorKind::InvalidInput, "no address to listen on");
+    for sa in addr.to_socket_addrs()? {
+        match listen_on(sa) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+fn listen_on(sa: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let s = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.bind(&sa.into())?;
+    s.listen(BACKLOG)?;
+    Ok(s.into())
+}
 
 pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// The wire protocol's version (5: a challenge first; the HELLO carries the job, the shared
@@ -250,6 +277,25 @@ mod tests {
         for (i, a) in kinds.iter().enumerate() {
             assert!(!kinds[i + 1..].contains(a), "kind {a} twice");
         }
+    }
+
+    #[test]
+    fn a_listener_queues_a_world_that_connects_at_once() {
+        // 200 connections before any accept: std's queue of 128 drops the rest's SYNs, which
+        // then wait a second for their retry; ours holds them all at once.
+        let l = listen("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let mut held = Vec::new();
+        for i in 0..200 {
+            let s = TcpStream::connect_timeout(&at, std::time::Duration::from_millis(300));
+            held.push(s.unwrap_or_else(|e| panic!("connection {i} not queued: {e}")));
+        }
+        l.set_nonblocking(true).unwrap();
+        let mut accepted = 0;
+        while l.accept().is_ok() {
+            accepted += 1;
+        }
+        assert_eq!(accepted, 200);
     }
 
     #[test]

@@ -95,7 +95,7 @@ impl Comm {
         let mut listener = None;
         let mut field = [0u8; 64];
         if grouped && sub_rank == 0 {
-            let l = std::net::TcpListener::bind((my_ip.as_str(), 0))
+            let l = crate::bootstrap::listen((my_ip.as_str(), 0))
                 .map_err(|e| Error::Bootstrap(format!("split: cannot listen on {my_ip}: {e}")))?;
             let text = l.local_addr()?.to_string();
             field[..text.len()].copy_from_slice(text.as_bytes());

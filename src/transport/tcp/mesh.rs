@@ -67,7 +67,7 @@ impl TcpTransport {
                 }
             }
         };
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
+        let listener = crate::bootstrap::listen(SocketAddr::new(ip, 0)).map_err(|e| {
             Error::Bootstrap(format!("rank {} cannot listen on {ip}: {e}", cfg.rank))
         })?;
         let me = listener.local_addr()?;

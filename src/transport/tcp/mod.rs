@@ -24,7 +24,7 @@ use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::{Link, Medium, Props};
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
