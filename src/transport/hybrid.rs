@@ -50,7 +50,7 @@ pub fn connect_with(
     // A same-host peer buffers at least as many chunks as a network peer: a program's sends
     // must not block sooner (and deadlock where they did not) because its peer shares the host.
     let slots = slots_for(chunk).max(cfg.slots);
-    let mut pending = Some(Pending::new(&cfg.host_id, slots, chunk, true)?);
+    let mut pending = Some(Pending::new(&cfg.host_id, slots, chunk, false)?);
     let payload = pending.as_ref().map(Pending::payload).unwrap_or_default();
     let mut rings = None;
     let mut crowded = false;

@@ -37,7 +37,7 @@ impl ShmTransport {
         meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
-        let pending = Pending::new(&cfg.host_id, SLOTS, CHUNK, false)?;
+        let pending = Pending::new(&cfg.host_id, SLOTS, CHUNK, true)?;
         let mut common = TAG_SHM.to_le_bytes().to_vec();
         common.extend_from_slice(&pending.payload());
         let card = Card {

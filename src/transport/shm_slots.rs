@@ -38,20 +38,22 @@ pub const RING_BUDGET: usize = 4 << 20;
 /// The smallest chunk [`fit`] shrinks a ring's slots to.
 const MIN_CHUNK: usize = 4 << 10;
 
+/// The fewest slots [`fit`] leaves a ring (what the algorithms are proven with: a peer buffers as
+/// many chunks as a network peer's default four).
+const MIN_SLOTS: usize = 4;
+
 /// The geometry of the rings of a host of `peers` + 1 ranks, from `slots` x `chunk` bytes each:
-/// halved slots down to four, then (unless `chunk_fixed`: a network's chunk must fit whole)
-/// halved chunks down to [`MIN_CHUNK`], then slots down to two, until they fit [`RING_BUDGET`].
-/// Every rank of a host computes the same from the same inputs.
-pub(crate) fn fit(slots: usize, chunk: usize, peers: usize, chunk_fixed: bool) -> (usize, usize) {
+/// halved slots down to [`MIN_SLOTS`], then halved chunks down to [`MIN_CHUNK`], until they fit
+/// [`RING_BUDGET`] (up to 128 ranks a host; past it that floor). Every rank of a host computes
+/// the same from the same inputs.
+pub(crate) fn fit(slots: usize, chunk: usize, peers: usize) -> (usize, usize) {
     let (mut s, mut c) = (slots, chunk);
     let room = |s: usize, c: usize| (peers + 1) * (COUNTERS + s * (HEAD + c));
     while room(s, c) > RING_BUDGET {
-        if s > 4 {
-            s /= 2;
-        } else if !chunk_fixed && c > MIN_CHUNK {
+        if s > MIN_SLOTS {
+            s = (s / 2).max(MIN_SLOTS);
+        } else if c > MIN_CHUNK {
             c = (c / 2).max(MIN_CHUNK);
-        } else if s > 2 {
-            s -= 1;
         } else {
             break;
         }
@@ -209,26 +211,21 @@ pub(crate) struct Pending {
     host: String,
     slots: usize,
     chunk: usize,
-    /// Whether the chunk is a network's, which every ring must hold whole ([`fit`]).
-    chunk_fixed: bool,
+    /// Whether the rings may shrink where many ranks share the host ([`fit`]): not beside a
+    /// network, whose chunk a ring must hold whole in as many slots as a network peer has.
+    shrink: bool,
 }
 
 impl Pending {
-    /// Creates this rank's (empty) segment for rings of up to `slots` x `chunk` bytes on
-    /// `host` (fewer or smaller where many ranks share the host, see [`fit`]; the chunk only if
-    /// not `chunk_fixed`).
-    pub(crate) fn new(
-        host: &str,
-        slots: usize,
-        chunk: usize,
-        chunk_fixed: bool,
-    ) -> Result<Pending> {
+    /// Creates this rank's (empty) segment for rings of `slots` x `chunk` bytes on `host`
+    /// (fewer or smaller, where `shrink`, when many ranks share the host: see [`fit`]).
+    pub(crate) fn new(host: &str, slots: usize, chunk: usize, shrink: bool) -> Result<Pending> {
         Ok(Pending {
             file: create_file()?,
             host: host.to_string(),
             slots,
             chunk,
-            chunk_fixed,
+            shrink,
         })
     }
 
@@ -294,7 +291,11 @@ impl Pending {
             locals.push(p);
         }
         let peers = locals.len().saturating_sub(1);
-        let (slots, chunk) = fit(self.slots, self.chunk, peers, self.chunk_fixed);
+        let (slots, chunk) = if self.shrink {
+            fit(self.slots, self.chunk, peers)
+        } else {
+            (self.slots, self.chunk)
+        };
         let ring = COUNTERS + slots * (HEAD + chunk);
         let len = locals.len() * ring;
         // Alone on its host, a rank maps nothing (but still meets the others at the barriers).
@@ -559,24 +560,20 @@ mod tests {
         let ring = |(s, c): (usize, usize)| COUNTERS + s * (HEAD + c);
         // Up to 7 ranks on a host: the full geometry.
         for peers in 1..=6 {
-            assert_eq!(
-                fit(SLOTS, CHUNK, peers, false),
-                (SLOTS, CHUNK),
-                "{peers} peers"
-            );
+            assert_eq!(fit(SLOTS, CHUNK, peers), (SLOTS, CHUNK), "{peers} peers");
         }
-        for ranks in [2usize, 8, 16, 32, 64, 128, 256] {
-            let g = fit(SLOTS, CHUNK, ranks - 1, false);
+        for ranks in [2usize, 8, 16, 32, 64, 128] {
+            let g = fit(SLOTS, CHUNK, ranks - 1);
             let (s, c) = g;
             assert!(
-                s >= 2 && (MIN_CHUNK..=CHUNK).contains(&c),
-                "{ranks} ranks: {g:?}"
+                s >= MIN_SLOTS && (MIN_CHUNK..=CHUNK).contains(&c),
+                "{ranks}: {g:?}"
             );
             // What one rank's segment holds (a ring per rank of the host).
             let segment = ranks * ring(g);
             assert!(segment <= RING_BUDGET, "{ranks} ranks: {segment} bytes");
-            let host = ranks * segment;
             if ranks == 64 {
+                let host = ranks * segment;
                 assert!(
                     host <= 256 << 20,
                     "64 ranks: {} MiB on the host",
@@ -584,9 +581,8 @@ mod tests {
                 );
             }
         }
-        // A network's chunk stays whole: only the slots shrink, to two.
-        assert_eq!(fit(SLOTS, 65408, 63, true), (2, 65408));
-        assert_eq!(fit(2, 1 << 20, 3, true), (2, 1 << 20));
+        // Past 128 ranks, the floor.
+        assert_eq!(fit(SLOTS, CHUNK, 511), (MIN_SLOTS, MIN_CHUNK));
     }
 
     #[test]
