@@ -55,7 +55,7 @@ pub use crate::config::Algo;
 pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
 
 /// all_reduce buffers up to this many bytes take one step ([`Algo::Direct`]) under
-/// [`Algo::Auto`] where peers share memory ([`crate::transport::Link::shares_memory`]): one
+/// [`Algo::Auto`] where peers share memory ([`crate::transport::Props::shares_memory`]): one
 /// copy to each peer costs less there than waiting on log2(n) dependent steps.
 pub const DIRECT_MAX_BYTES: usize = 4 << 10;
 

@@ -16,13 +16,13 @@
 //!   row: the completion of a later signaled write (RC completes in order) retires them, and
 //!   the send queue has room for that many and the chunks that hold slots.
 //! - Zero copy (opt-in): while an operation lends a buffer of at least
-//!   `RDMACOMM_ZERO_COPY_MIN` bytes ([`Link::lend`]), it is registered for that operation and
+//!   `RDMACOMM_ZERO_COPY_MIN` bytes ([`Lending::lend`]), it is registered for that operation and
 //!   chunks above [`MAX_INLINE`] posted from it are written straight from it, skipping the
 //!   staging slot; a range is not landed into before the writes reading it completed
-//!   ([`Link::settle`]), and the registration ends with the operation. (Not cached across
+//!   ([`Lending::settle`]), and the registration ends with the operation. (Not cached across
 //!   calls: without memory hooks a cache keyed by address would send stale pages after the
 //!   caller frees and reallocates.)
-//! - Registered buffers ([`Link::register`], scoped by `Communicator::with_registered`): the
+//! - Registered buffers ([`Lending::register`], scoped by `Communicator::with_registered`): the
 //!   same zero-copy path for every chunk above [`MAX_INLINE`] posted from inside one, with no
 //!   registration per operation; at most [`MAX_REGISTERED`] at once.
 //! - Mailboxes: a chunk of at most [`mailbox::MAX_PAYLOAD`] bytes goes instead as a plain inline
@@ -138,7 +138,7 @@ pub struct RdmaTransport {
     peers: Vec<Option<PeerState>>,
     /// The buffer the current operation lent for zero-copy sends, registered.
     lent: Option<LentRegion>,
-    /// Buffers registered across operations ([`Link::register`]), by id.
+    /// Buffers registered across operations ([`Lending::register`]), by id.
     registered: Vec<(u64, LentRegion)>,
     next_registration: u64,
     /// Zero-copy writes in flight: (peer, chunk number, source start, source end).
