@@ -291,6 +291,59 @@ fn a_stopped_coordinator_is_named_on_every_survivor() {
     stop_case("a_stopped_coordinator_is_named_on_every_survivor", 0);
 }
 
+/// A rank that never calls an operation after joining (alive, its sockets open, answering
+/// nothing): with connections on demand, no peer has a connection to it yet, and a dial to it
+/// is never answered. Every other rank names it within the timeout and the stall window.
+fn silent_body() {
+    let (r, _) = rank_size();
+    let victim: usize = env_var("RXE_TEST_VICTIM").parse().unwrap();
+    let c = Comm::from_env().unwrap();
+    if r == victim {
+        std::thread::sleep(2 * STOP_BOUND);
+        std::process::exit(0);
+    }
+    let mut d = vec![0u8; 4096];
+    let started = Instant::now();
+    let e = c
+        .all_reduce(AllReduce::Sum, DType::f32, &mut d)
+        .expect_err("an all_reduce without one of its ranks cannot complete");
+    check_failure(&c, &e, victim, started);
+    assert!(
+        started.elapsed() < STOP_BOUND,
+        "rank {r}: named it after {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_rank_that_never_answers_a_late_connection_is_named() {
+    const NAME: &str = "a_rank_that_never_answers_a_late_connection_is_named";
+    if !parent_ready(NAME, silent_body) {
+        return;
+    }
+    let res = spawn(
+        NAME,
+        4,
+        Placement::Local,
+        &|_| {
+            vec![
+                ("RDMACOMM_TIMEOUT".into(), STOP_TIMEOUT_S.to_string()),
+                ("RXE_TEST_VICTIM".into(), "3".into()),
+            ]
+        },
+        Duration::from_secs(60),
+    );
+    for x in &res {
+        let ok = if x.rank == 3 {
+            x.code == Some(0)
+        } else {
+            x.code == Some(0) && x.output.contains("FAILED-AS-EXPECTED")
+        };
+        assert!(ok, "rank {}: {}", x.rank, x.output);
+        print_seen(x);
+    }
+}
+
 fn link_body() {
     let (r, n) = rank_size();
     let c = Comm::from_env().unwrap();

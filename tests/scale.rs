@@ -1,7 +1,8 @@
 //! Many ranks on one host (oversubscribed: slow, but it must be right): 64 over TCP and 32 over
 //! shared memory run a checked all_reduce, all_gather, broadcast and barrier, and each rank's
-//! own accounting (the `info` summary's "holds") stays within the bounds: no pinned memory over
-//! TCP, a shared-memory segment of at most 4 MiB.
+//! own accounting (the `info` lines' "holds") stays within the bounds: no pinned memory over
+//! TCP, a shared-memory segment of at most 4 MiB, no TCP connection before a collective needs
+//! it (and every one at creation with `RDMACOMM_CONNECT=eager`).
 
 mod common;
 use common::*;
@@ -57,14 +58,19 @@ fn body() {
     );
 }
 
-/// Runs `n` ranks of `name` over `transport`, asserts every one checked its results, and
-/// returns each rank's (shared MiB, pinned MiB, connections) from its summary.
-fn run(name: &str, n: usize, transport: &str) -> Vec<(f64, f64, usize)> {
+/// What a rank held: shared MiB, pinned MiB, connections.
+type Held = (f64, f64, usize);
+
+/// Runs `n` ranks of `name` over `transport` (connecting as `connect` says), asserts every one
+/// checked its results, and returns what each rank held when it had joined and when it closed
+/// (its `info` lines).
+fn run(name: &str, n: usize, transport: &str, connect: &str) -> Vec<(Held, Held)> {
     let env = |_| {
         [
             ("RDMACOMM_TRANSPORT", transport),
             ("RDMACOMM_TIMEOUT", "120"),
             ("RDMACOMM_DEBUG", "info"),
+            ("RDMACOMM_CONNECT", connect),
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -73,26 +79,30 @@ fn run(name: &str, n: usize, transport: &str) -> Vec<(f64, f64, usize)> {
     let t0 = Instant::now();
     let outs = spawn(name, n, Placement::Local, &env, Duration::from_secs(600));
     assert_all_ok(&outs);
-    let holds: Vec<(f64, f64, usize)> = outs
+    let holds = outs
         .iter()
         .map(|x| {
             let out = &x.output;
             assert!(out.contains("CHECKED"), "rank {}: {out}", x.rank);
-            let held = out.split("holds ").nth(1).expect("the summary");
-            let num = |what: &str| -> f64 {
-                let at = held.find(what).expect(what);
-                held[..at]
-                    .split_whitespace()
-                    .last()
-                    .unwrap()
-                    .parse()
-                    .unwrap()
+            let held = |line: &str| -> Held {
+                let held = line.split("holds ").nth(1).expect("holds");
+                let num = |what: &str| -> f64 {
+                    let at = held.find(what).expect(what);
+                    held[..at]
+                        .split_whitespace()
+                        .last()
+                        .unwrap()
+                        .parse()
+                        .unwrap()
+                };
+                (
+                    num(" MiB shared"),
+                    num(" MiB pinned"),
+                    num(" connections") as usize,
+                )
             };
-            (
-                num(" MiB shared"),
-                num(" MiB pinned"),
-                num(" connections") as usize,
-            )
+            let line = |what: &str| out.lines().find(|l| l.contains(what)).expect(what);
+            (held(line("; holds ")), held(line(" closes; it holds ")))
         })
         .collect();
     println!(
@@ -112,9 +122,36 @@ fn sixty_four_ranks_over_tcp() {
         println!("SKIPPED: runs on the host (the VM holds fewer ranks)");
         return;
     }
-    for (r, (shared, pinned, conns)) in run(NAME, 64, "tcp").into_iter().enumerate() {
+    for (r, (joined, closed)) in run(NAME, 64, "tcp", "on-demand").into_iter().enumerate() {
+        assert_eq!(
+            joined,
+            (0.0, 0.0, 0),
+            "rank {r}: nothing connected at creation"
+        );
+        let (shared, pinned, conns) = closed;
         assert_eq!((shared, pinned), (0.0, 0.0), "rank {r}");
-        assert_eq!(conns, 63, "rank {r}: a socket to every peer");
+        // Recursive doubling (6 partners), a ring (2) and a binomial tree (at most 6 children
+        // and a parent) overlap: never a socket to most of the 63 peers.
+        assert!(
+            (1..=15).contains(&conns),
+            "rank {r}: {conns} connections for 4 collectives"
+        );
+    }
+}
+
+#[test]
+fn sixteen_ranks_connect_eagerly() {
+    const NAME: &str = "sixteen_ranks_connect_eagerly";
+    if !parent_ready(NAME, body) {
+        return;
+    }
+    if require_rdma() {
+        println!("SKIPPED: runs on the host");
+        return;
+    }
+    for (r, (joined, closed)) in run(NAME, 16, "tcp", "eager").into_iter().enumerate() {
+        assert_eq!(joined, (0.0, 0.0, 15), "rank {r}: a socket to every peer");
+        assert_eq!(closed, joined, "rank {r}");
     }
 }
 
@@ -128,7 +165,9 @@ fn thirty_two_ranks_over_shared_memory() {
         println!("SKIPPED: runs on the host");
         return;
     }
-    for (r, (shared, pinned, conns)) in run(NAME, 32, "shm").into_iter().enumerate() {
+    for (r, ((shared, pinned, conns), _)) in
+        run(NAME, 32, "shm", "on-demand").into_iter().enumerate()
+    {
         assert!(shared <= 4.0, "rank {r}: {shared} MiB of shared memory");
         assert_eq!((pinned, conns), (0.0, 0), "rank {r}");
     }

@@ -437,7 +437,9 @@ fn sweep(
 }
 
 fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
+    let t0 = Instant::now();
     let c = Comm::from_env()?;
+    let made = t0.elapsed();
     if let Some(a) = o.algo {
         c.set_algorithm(a);
     }
@@ -479,6 +481,10 @@ fn rank_main(o: &Opts) -> rdmacomm::Result<()> {
             } else {
                 ""
             }
+        );
+        println!(
+            "# rank 0 made its communicator in {:.1} ms",
+            made.as_secs_f64() * 1e3
         );
         println!(
             "# {:>10} {:>12} {:>6} {:>6} {:>11} {:>8} {:>8} {:>7}",

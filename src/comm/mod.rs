@@ -32,6 +32,20 @@ struct Inner {
     scratch: crate::collectives::Scratch,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // What the transport came to hold (connections made on demand included), at `info`.
+        if let Some(l) = self
+            .link
+            .as_ref()
+            .filter(|_| log::log_enabled!(log::Level::Info))
+        {
+            let (r, held) = (l.rank(), l.holds());
+            log::info!("rank {r} closes; it holds {held}{}", summary::process());
+        }
+    }
+}
+
 use crate::collectives::Algo;
 
 /// An open [`Comm::overlap`] scope as blocking calls see it: `drain(data)` runs the operations

@@ -46,3 +46,22 @@ pub(super) fn summarise(
         cfg.poll
     );
 }
+
+/// This process's resident memory, threads and open descriptors, for the `info` lines (from
+/// /proc; empty where it is not mounted).
+pub(super) fn process() -> String {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_string())
+    };
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count());
+    match (field("VmRSS:"), field("Threads:"), fds) {
+        (Some(rss), Some(threads), Ok(fds)) => {
+            format!("; the process: {rss} resident, {threads} threads, {fds} descriptors")
+        }
+        _ => String::new(),
+    }
+}

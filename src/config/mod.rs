@@ -32,8 +32,8 @@ pub use crate::verbs::{DeviceChoice, HcaList};
 
 /// Every variable the library reads (the names in `config/table.rs`); any other `RDMACOMM_*`
 /// variable is taken for a typo.
-pub const VARIABLES: [&str; 31] = {
-    let mut names = [""; 31];
+pub const VARIABLES: [&str; table::SETTINGS.len()] = {
+    let mut names = [""; table::SETTINGS.len()];
     let mut i = 0;
     while i < names.len() {
         names[i] = table::SETTINGS[i].name;
@@ -125,6 +125,8 @@ pub struct Config {
     pub bcast: Bcast,
     /// How waits poll (`RDMACOMM_POLL`, default auto).
     pub poll: Poll,
+    /// When TCP connections are made (`RDMACOMM_CONNECT`, default on demand).
+    pub connect: Connect,
     /// Smallest buffer an operation registers for zero-copy RDMA sends (`RDMACOMM_ZERO_COPY_MIN`;
     /// 0, the default, never: on soft-RoCE it ties with staging, and on an HCA registering per
     /// call costs about what the copy it saves does; see docs/DESIGN.md).
@@ -235,6 +237,7 @@ impl Config {
             algo: Algo::Auto,
             bcast: Bcast::Auto,
             poll: Poll::Auto,
+            connect: Connect::OnDemand,
             zero_copy_min: 0,
             ib_timeout: None,
             ib_retry: None,

@@ -81,6 +81,47 @@ impl Poll {
     }
 }
 
+/// When a rank connects to its peers over TCP (`RDMACOMM_CONNECT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Connect {
+    /// At the first operation that exchanges with the peer (NCCL's runtime connect): a ring
+    /// connects two peers, whatever the world.
+    OnDemand = 0,
+    /// To every peer while the communicator is created.
+    Eager = 1,
+}
+
+impl Connect {
+    /// Parses `on-demand` (or `demand`, `lazy`) or `eager`.
+    pub fn parse(v: &str) -> Result<Connect> {
+        match v {
+            "on-demand" | "demand" | "lazy" => Ok(Connect::OnDemand),
+            "eager" => Ok(Connect::Eager),
+            _ => Err(Error::Config(format!(
+                "RDMACOMM_CONNECT={v:?}: use on-demand or eager"
+            ))),
+        }
+    }
+
+    /// The setting's word.
+    pub fn name(self) -> &'static str {
+        match self {
+            Connect::OnDemand => "on-demand",
+            Connect::Eager => "eager",
+        }
+    }
+
+    /// The word of a setting sent as a number by a peer.
+    pub(crate) fn name_of(v: u32) -> &'static str {
+        match v {
+            0 => Connect::OnDemand.name(),
+            1 => Connect::Eager.name(),
+            _ => "by an unknown setting",
+        }
+    }
+}
+
 /// Who moves the operations of a `Comm::overlap` scope (`RDMACOMM_PROGRESS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
@@ -122,9 +163,14 @@ pub const DEFAULT_SLOTS: usize = 4;
 /// Registered memory per rank the default slot size aims at: every peer's receive and send slots.
 pub const SLOT_BUDGET: usize = 32 << 20;
 
-/// The default slot size: the largest power of two from 64 KiB to 1 MiB (2 MiB for two ranks)
+/// The smallest default slot: [`SLOT_BUDGET`] holds up to 1024 ranks' slots (the cost model in
+/// docs/DESIGN.md weighs a write's fixed cost against it).
+pub const MIN_DEFAULT_SLOT: usize = 4 << 10;
+
+/// The default slot size: the largest power of two from 4 KiB to 1 MiB (2 MiB for two ranks)
 /// whose slots (receive and send, `slots` each, for every rank) fit [`SLOT_BUDGET`]: 2 MiB for 2
-/// ranks, 1 MiB up to 4, 512 KiB at 8, 64 KiB from 64 (measured: docs/DESIGN.md).
+/// ranks, 1 MiB up to 4, 512 KiB at 8, 64 KiB at 64, 16 KiB at 256, 4 KiB from 1024 (measured:
+/// docs/DESIGN.md).
 pub fn default_slot_bytes(world_size: usize, slots: usize) -> usize {
     let fit = SLOT_BUDGET / (2 * world_size.max(1) * slots.max(1));
     let pow2 = if fit == 0 {
@@ -133,7 +179,7 @@ pub fn default_slot_bytes(world_size: usize, slots: usize) -> usize {
         1usize << (usize::BITS - 1 - fit.leading_zeros())
     };
     let cap = if world_size == 2 { 2 << 20 } else { 1 << 20 };
-    pow2.clamp(64 << 10, cap)
+    pow2.clamp(MIN_DEFAULT_SLOT, cap)
 }
 
 /// How the ranks find rank 0's rendezvous address.

@@ -29,7 +29,7 @@ const fn set(name: &'static str, apply: fn(&mut Config, &str) -> Result<()>) -> 
 
 /// Every setting; applied in this order (`RDMACOMM_SLOTS` before `RDMACOMM_SLOT_BYTES`, whose
 /// default follows it).
-pub(crate) const SETTINGS: [Setting; 31] = [
+pub(crate) const SETTINGS: [Setting; 32] = [
     set("RDMACOMM_JOB_ID", |c, _| {
         c.job_id = job_id_from_env();
         Ok(())
@@ -104,6 +104,10 @@ pub(crate) const SETTINGS: [Setting; 31] = [
     }),
     set("RDMACOMM_POLL", |c, v| {
         c.poll = Poll::parse(v.trim())?;
+        Ok(())
+    }),
+    set("RDMACOMM_CONNECT", |c, v| {
+        c.connect = Connect::parse(v.trim())?;
         Ok(())
     }),
     set("RDMACOMM_ZERO_COPY_MIN", |c, v| {

@@ -287,15 +287,20 @@ fn default_slot_sizes_fit_the_budget() {
         "rounds down"
     );
     assert_eq!(default_slot_bytes(64, DEFAULT_SLOTS), 64 << 10);
-    assert_eq!(default_slot_bytes(4096, DEFAULT_SLOTS), 64 << 10, "floor");
+    assert_eq!(default_slot_bytes(256, DEFAULT_SLOTS), 16 << 10);
+    assert_eq!(default_slot_bytes(1024, DEFAULT_SLOTS), 4 << 10);
+    assert_eq!(default_slot_bytes(4096, DEFAULT_SLOTS), 4 << 10, "floor");
     assert_eq!(default_slot_bytes(3, DEFAULT_SLOTS), 1 << 20);
-    for n in 1..300 {
+    for n in 1..=2048 {
         let b = default_slot_bytes(n, DEFAULT_SLOTS);
         let cap = if n == 2 { 2 << 20 } else { 1 << 20 };
-        assert!(b.is_power_of_two() && (64 << 10..=cap).contains(&b));
-        assert!(
-            b == 64 << 10 || 2 * n * DEFAULT_SLOTS * b <= SLOT_BUDGET,
-            "{n}"
-        );
+        assert!(b.is_power_of_two() && (MIN_DEFAULT_SLOT..=cap).contains(&b));
+        // Pinned slots stay within the budget up to 1024 ranks, and twice it up to 2048.
+        let budget = if n <= 1024 {
+            SLOT_BUDGET
+        } else {
+            2 * SLOT_BUDGET
+        };
+        assert!(2 * n * DEFAULT_SLOTS * b <= budget, "{n}");
     }
 }

@@ -1,7 +1,8 @@
 //! A network transport (RDMA or TCP) whose same-host peers are reached through shared memory
 //! instead: chosen per peer at the rendezvous from the host identities in the cards.
 //!
-//! The network transport connects to every rank and owns the side channel (failures, stalls,
+//! The network transport reaches every rank (TCP connects only those it carries, on demand) and
+//! owns the side channel (failures, stalls,
 //! teardown); the rings ([`super::rings`]) carry the chunks to same-host peers. With shared
 //! memory on, every rank's card starts with a prefix (tag, length, the rings' payload), stripped
 //! before the network transport reads its own card; without it the card is the network

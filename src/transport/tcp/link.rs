@@ -63,13 +63,15 @@ impl TcpTransport {
     }
 
     /// Waits up to `d` for any socket to become readable (or writable when output is queued).
-    pub(super) fn wait(&mut self, d: Duration) {
+    /// With `dialing`, also for the listener and the connections under way.
+    pub(super) fn wait(&mut self, d: Duration, dialing: bool) {
         let socks = self.conns.iter().flatten().map(|c| crate::sys::Wait {
             fd: c.sock.as_raw_fd(),
             read: true,
             write: !c.out.is_empty(),
         });
-        crate::sys::wait(socks, d.as_millis() as u64, &mut self.fds);
+        let dials = self.dialer.waits().filter(|_| dialing);
+        crate::sys::wait(socks.chain(dials), d.as_millis() as u64, &mut self.fds);
     }
 
     /// Whether every peer is still reachable, without blocking.
@@ -95,6 +97,9 @@ impl Link for TcpTransport {
     }
 
     fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
+        if !self.reach(p)? {
+            return Ok(false);
+        }
         if !self.conns[p]
             .as_ref()
             .expect("no link to self")
@@ -128,6 +133,9 @@ impl Link for TcpTransport {
     }
 
     fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        if !self.reach(p)? {
+            return Ok(false);
+        }
         let max = self.max_chunk;
         let c = self.conns[p].as_mut().expect("no link to self");
         match c.direct {
@@ -158,6 +166,9 @@ impl Link for TcpTransport {
     }
 
     fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        if !self.reach(p)? {
+            return Ok(false);
+        }
         let max = self.max_chunk;
         let verified = !self.numbering.first_from(p);
         let c = self.conns[p].as_mut().expect("no link to self");
@@ -282,7 +293,14 @@ impl Link for TcpTransport {
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
         self.watch.waiting_on(Some(waiting_on));
         self.watch.poll_sometimes()?;
-        if self.pump()? {
+        let mut moved = self.pump()?;
+        if self.conns[waiting_on].is_none() {
+            self.dial(waiting_on)?;
+        }
+        if self.conns[waiting_on].is_none() || self.dialer.busy() {
+            moved |= self.connect_step()?;
+        }
+        if moved {
             self.pacer.progress();
             return Ok(());
         }
@@ -299,7 +317,8 @@ impl Link for TcpTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                self.wait(Duration::from_millis(1));
+                let dialing = self.conns[waiting_on].is_none() || self.dialer.busy();
+                self.wait(Duration::from_millis(1), dialing);
             }
             Wait::Expired => {}
         }

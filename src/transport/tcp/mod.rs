@@ -1,5 +1,6 @@
-//! The TCP transport: the same [`Link`] over a full mesh of non-blocking TCP connections, for
-//! hosts without RDMA. Flow control is a bounded queue of unsent chunks per peer (like the RDMA
+//! The TCP transport: the same [`Link`] over non-blocking TCP connections, each made when an
+//! operation first exchanges with its peer (`dial.rs`; all at creation with
+//! `RDMACOMM_CONNECT=eager`), for hosts without RDMA. Flow control is a bounded queue of unsent chunks per peer (like the RDMA
 //! transport's slots) and TCP's own window. Failures and health use the same side channel as
 //! RDMA.
 //!
@@ -10,13 +11,14 @@
 //! stream, and the kernel's copies into and out of those pages run at full speed (a 4-byte
 //! header left them misaligned: 15-25% slower from 512 KiB, see `HDR`).
 
+mod dial;
 mod frame;
 mod link;
-mod mesh;
+mod setup;
 
 use crate::bootstrap::rendezvous::{mac, mac_ok, Card, Rendezvous, KEY};
 use crate::bootstrap::{check_tags, Reader, TAG_TCP};
-use crate::config::{Config, Poll};
+use crate::config::{Config, Connect, Poll};
 use crate::error::{Error, Peer, Result};
 use crate::transport::numbering::Numbering;
 use crate::transport::op::{self, OpDesc, Partners};
@@ -28,6 +30,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use dial::{tune, Dialer, Event};
 use frame::{pad, InQueue, OutQueue, HDR, OP_AT, PAD};
 
 /// How long an idle rank yields its core before blocking in poll(2).
@@ -59,6 +62,22 @@ struct Conn {
     closed: bool,
 }
 
+impl Conn {
+    /// A connection over `sock` (proven, not yet tuned) for chunks of up to `chunk` bytes.
+    fn new(sock: TcpStream, chunk: usize) -> Result<Conn> {
+        tune(&sock)?;
+        sock.set_read_timeout(None)?;
+        sock.set_nonblocking(true)?;
+        Ok(Conn {
+            sock,
+            out: OutQueue::default(),
+            inp: InQueue::new(4 * (chunk + HDR)),
+            direct: Direct::Off,
+            closed: false,
+        })
+    }
+}
+
 /// The TCP transport of one rank.
 pub struct TcpTransport {
     conns: Vec<Option<Conn>>,
@@ -78,12 +97,53 @@ pub struct TcpTransport {
     /// header (before the check).
     numbering: Numbering,
     props: Props,
+    /// The listener and the connections under way (made when first needed).
+    dialer: Dialer,
+    /// What the dialer's last step brought.
+    events: Vec<Event>,
 }
 
 impl TcpTransport {
     /// What this transport is, in words.
     pub fn device(&self) -> String {
         "TCP".into()
+    }
+
+    /// Whether the connection to `p` is up; if not, dials it (unless under way) and moves every
+    /// connection under way.
+    fn reach(&mut self, p: usize) -> Result<bool> {
+        if self.conns[p].is_some() {
+            return Ok(true);
+        }
+        self.dial(p)?;
+        self.connect_step()?;
+        Ok(self.conns[p].is_some())
+    }
+
+    /// Starts a dial to `p` unless one is under way or `p` is up.
+    fn dial(&mut self, p: usize) -> Result<()> {
+        self.dialer.dial(p).map_err(|(q, why)| self.fail(q, why))
+    }
+
+    /// Moves the connections under way; whether anything moved.
+    fn connect_step(&mut self) -> Result<bool> {
+        let moved = self.dialer.step(&mut self.events)?;
+        while let Some(e) = self.events.pop() {
+            match e {
+                Event::Up(p, s) => {
+                    let c = Conn::new(s, self.max_chunk);
+                    match c {
+                        Ok(c) => self.conns[p] = Some(c),
+                        Err(e) => return Err(self.fail(p, format!("its data connection: {e}"))),
+                    }
+                }
+                Event::Failed(p, why) => return Err(self.fail(p, why)),
+            }
+        }
+        if moved {
+            self.pacer.progress();
+        }
+        Ok(moved)
     }
 
     /// Records the first failure, tells the group, and returns it as an error.

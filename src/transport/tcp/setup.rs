@@ -1,26 +1,7 @@
-//! Connecting the TCP mesh (every pair proves the group's session key) and closing it.
+//! Setting up the TCP transport (its listener and card; with `RDMACOMM_CONNECT=eager`, every
+//! connection before the first operation) and closing it.
 
 use super::*;
-
-/// What rank `from` sends rank `to` to show it holds the group's session key.
-fn proof(session: &[u8; KEY], from: usize, to: usize) -> [u8; KEY] {
-    let (f, t) = ((from as u32).to_le_bytes(), (to as u32).to_le_bytes());
-    mac(session, &[b"rdmacomm tcp", &f, &t])
-}
-
-/// Whether `tag` is [`proof`]`(session, from, to)`, compared in constant time.
-fn proof_ok(session: &[u8; KEY], from: usize, to: usize, tag: &[u8]) -> bool {
-    let (f, t) = ((from as u32).to_le_bytes(), (to as u32).to_le_bytes());
-    mac_ok(session, &[b"rdmacomm tcp", &f, &t], tag)
-}
-
-fn tune(s: &TcpStream) -> Result<()> {
-    s.set_nodelay(true)?;
-    let sr = socket2::SockRef::from(s);
-    let _ = sr.set_send_buffer_size(4 << 20);
-    let _ = sr.set_recv_buffer_size(4 << 20);
-    Ok(())
-}
 
 impl TcpTransport {
     /// Meets every rank through `meet` (which exchanges cards and returns the side channel: the
@@ -75,6 +56,7 @@ impl TcpTransport {
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_TCP.to_le_bytes());
         common.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
+        common.extend_from_slice(&(cfg.connect as u32).to_le_bytes());
         common.extend_from_slice(&(text.len() as u32).to_le_bytes());
         common.extend_from_slice(text.as_bytes());
         let card = Card {
@@ -86,7 +68,15 @@ impl TcpTransport {
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_TCP)?;
         let mut side = rv.side;
         // Every step to the barrier is told to the group if it fails here.
-        let socks = (|| -> Result<Vec<Option<TcpStream>>> {
+        let peer = |p: usize| Peer {
+            rank: p,
+            addr: rv.addrs[p].clone(),
+        };
+        let failed = |(p, reason): (usize, String)| Error::PeerFailed {
+            peer: peer(p),
+            reason,
+        };
+        let made = (|| -> Result<(Vec<Option<TcpStream>>, Dialer)> {
             let mut addrs_data = Vec::with_capacity(n);
             for (p, c) in rv.cards.iter().enumerate() {
                 let mut r = Reader(&c[4..]);
@@ -97,6 +87,15 @@ impl TcpTransport {
                         cfg.rank, cfg.tcp_chunk
                     )));
                 }
+                let connect = r.u32()?;
+                if connect != cfg.connect as u32 {
+                    return Err(Error::Config(format!(
+                        "rank {p} connects {} but rank {} {}: set RDMACOMM_CONNECT alike everywhere",
+                        Connect::name_of(connect),
+                        cfg.rank,
+                        cfg.connect.name()
+                    )));
+                }
                 let a = String::from_utf8_lossy(r.bytes()?).into_owned();
                 addrs_data.push(
                     a.parse::<SocketAddr>().map_err(|_| {
@@ -104,102 +103,45 @@ impl TcpTransport {
                     })?,
                 );
             }
-            let deadline = Instant::now() + cfg.timeout;
-            let peer = |p: usize| Peer {
-                rank: p,
-                addr: rv.addrs[p].clone(),
-            };
+            let mut dialer = Dialer::new(cfg.rank, listener, addrs_data, rv.session)?;
             let mut socks: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
-            // Connect to lower ranks, announcing our rank.
-            for (p, sa) in addrs_data.iter().enumerate().take(cfg.rank) {
-                let mut s = loop {
-                    match TcpStream::connect_timeout(sa, Duration::from_secs(1)) {
-                        Ok(s) => break s,
-                        Err(e) if Instant::now() >= deadline => {
-                            return Err(Error::PeerFailed {
-                                peer: peer(p),
-                                reason: format!("cannot connect the data connection to {sa}: {e}"),
-                            })
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                    }
-                };
-                // Our rank, and the proof that we were at the rendezvous.
-                let mut hello = (cfg.rank as u32).to_le_bytes().to_vec();
-                hello.extend_from_slice(&proof(&rv.session, cfg.rank, p));
-                s.write_all(&hello)?;
-                tune(&s)?;
-                socks[p] = Some(s);
-            }
-            // Accept from higher ranks: a connection counts once it names a rank that has yet to
-            // connect and proves the session key; any other is dropped, without holding up the rest.
-            listener.set_nonblocking(true)?;
-            let mut pending: Vec<(TcpStream, Vec<u8>, Instant)> = Vec::new();
-            let mut waiting = n - 1 - cfg.rank;
-            let want = 4 + KEY;
-            while waiting > 0 {
-                let mut busy = false;
-                match listener.accept() {
-                    Ok((s, _)) if pending.len() < 1024 => {
-                        busy = true;
-                        s.set_nonblocking(true)?;
-                        pending.push((s, Vec::new(), Instant::now() + Duration::from_secs(5)));
-                    }
-                    Ok(_) => {}
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e.into()),
+            if cfg.connect == Connect::Eager {
+                // Every rank dials the ranks below it (no two dial each other).
+                let deadline = Instant::now() + cfg.timeout;
+                let mut events = Vec::new();
+                for p in 0..cfg.rank {
+                    dialer.dial(p).map_err(failed)?;
                 }
-                let mut i = 0;
-                while i < pending.len() {
-                    let (s, buf, until) = &mut pending[i];
-                    let mut b = [0u8; 64];
-                    let mut drop_it = Instant::now() >= *until;
-                    match s.read(&mut b[..want - buf.len()]) {
-                        Ok(0) => drop_it = true,
-                        Ok(k) => {
-                            busy = true;
-                            buf.extend_from_slice(&b[..k]);
+                while socks
+                    .iter()
+                    .enumerate()
+                    .any(|(p, s)| s.is_none() && p != cfg.rank)
+                {
+                    let moved = dialer.step(&mut events)?;
+                    for e in events.drain(..) {
+                        match e {
+                            Event::Up(p, s) => socks[p] = Some(s),
+                            Event::Failed(p, why) => return Err(failed((p, why))),
                         }
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                        Err(_) => drop_it = true,
                     }
-                    if buf.len() == want {
-                        let (s, buf, _) = pending.swap_remove(i);
-                        let p = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
-                        if p > cfg.rank
-                            && p < n
-                            && socks[p].is_none()
-                            && proof_ok(&rv.session, p, cfg.rank, &buf[4..])
-                        {
-                            s.set_nonblocking(false)?;
-                            tune(&s)?;
-                            socks[p] = Some(s);
-                            waiting -= 1;
-                        }
+                    if moved {
                         continue;
                     }
-                    if drop_it {
-                        pending.swap_remove(i);
-                        continue;
-                    }
-                    i += 1;
-                }
-                if waiting > 0 && !busy {
                     if Instant::now() >= deadline {
-                        let missing = (cfg.rank + 1..n).find(|&p| socks[p].is_none()).unwrap_or(0);
+                        let missing = (0..n).find(|&p| socks[p].is_none() && p != cfg.rank);
                         return Err(Error::Timeout {
-                            peer: peer(missing),
+                            peer: peer(missing.unwrap_or(0)),
                             what: "data connection".into(),
                             after: cfg.timeout,
                         });
                     }
-                    std::thread::sleep(Duration::from_millis(2));
+                    let mut fds = Vec::new();
+                    crate::sys::wait(dialer.waits(), 2, &mut fds);
                 }
             }
-            Ok(socks)
+            Ok((socks, dialer))
         })();
-        let socks = side.told(socks)?;
+        let (socks, dialer) = side.told(made)?;
         side.barrier()?;
         side.set_async()?;
         // Received chunks are read into a buffer of four chunks and reduced from there: small
@@ -214,20 +156,7 @@ impl TcpTransport {
         };
         let mut conns = Vec::with_capacity(n);
         for s in socks {
-            conns.push(match s {
-                Some(s) => {
-                    s.set_read_timeout(None)?;
-                    s.set_nonblocking(true)?;
-                    Some(Conn {
-                        sock: s,
-                        out: OutQueue::default(),
-                        inp: InQueue::new(4 * (chunk + HDR)),
-                        direct: Direct::Off,
-                        closed: false,
-                    })
-                }
-                None => None,
-            });
+            conns.push(s.map(|s| Conn::new(s, chunk)).transpose()?);
         }
         Ok(TcpTransport {
             conns,
@@ -239,6 +168,8 @@ impl TcpTransport {
             fds: Vec::with_capacity(n),
             numbering: Numbering::new(cfg.rank, n),
             props: Props::new(cfg.rank, n, chunk, Medium::Tcp),
+            dialer,
+            events: Vec::new(),
         })
     }
 
