@@ -2,7 +2,8 @@
 //! shared memory run a checked all_reduce, all_gather, broadcast and barrier, and each rank's
 //! own accounting (the `info` lines' "holds") stays within the bounds: no pinned memory over
 //! TCP, a shared-memory segment of at most 4 MiB, no TCP connection before a collective needs
-//! it (and every one at creation with `RDMACOMM_CONNECT=eager`).
+//! it (and every one at creation with `RDMACOMM_CONNECT=eager`). In the VM stage, 12 ranks over
+//! RDMA on three soft-RoCE hosts, with their pinned memory.
 
 mod common;
 use common::*;
@@ -65,6 +66,17 @@ type Held = (f64, f64, usize);
 /// checked its results, and returns what each rank held when it had joined and when it closed
 /// (its `info` lines).
 fn run(name: &str, n: usize, transport: &str, connect: &str) -> Vec<(Held, Held)> {
+    run_on(name, n, Placement::Local, transport, connect)
+}
+
+/// [`run`] with ranks placed by `placement`.
+fn run_on(
+    name: &str,
+    n: usize,
+    placement: Placement,
+    transport: &str,
+    connect: &str,
+) -> Vec<(Held, Held)> {
     let env = |_| {
         [
             ("RDMACOMM_TRANSPORT", transport),
@@ -77,7 +89,7 @@ fn run(name: &str, n: usize, transport: &str, connect: &str) -> Vec<(Held, Held)
         .collect()
     };
     let t0 = Instant::now();
-    let outs = spawn(name, n, Placement::Local, &env, Duration::from_secs(600));
+    let outs = spawn(name, n, placement, &env, Duration::from_secs(600));
     assert_all_ok(&outs);
     let holds = outs
         .iter()
@@ -171,4 +183,74 @@ fn thirty_two_ranks_over_shared_memory() {
         assert!(shared <= 4.0, "rank {r}: {shared} MiB of shared memory");
         assert_eq!((pinned, conns), (0.0, 0), "rank {r}");
     }
+}
+
+/// The VM's largest world over RDMA: 12 ranks, four on each of its three soft-RoCE hosts, each
+/// rank's pinned memory within the default slots' budget (32 MiB) and a queue pair per peer.
+#[test]
+fn twelve_ranks_over_rdma_on_three_hosts() {
+    const NAME: &str = "twelve_ranks_over_rdma_on_three_hosts";
+    if !parent_ready(NAME, body) {
+        return;
+    }
+    if !require_rdma() || vm_hosts() < 3 {
+        println!("SKIPPED: runs in the VM stage (RDMA on three hosts)");
+        return;
+    }
+    let held = run_on(NAME, 12, Placement::Hosts, "rdma", "on-demand");
+    for (r, (joined, closed)) in held.into_iter().enumerate() {
+        let (shared, pinned, conns) = joined;
+        println!("rank {r}: {pinned} MiB pinned, {conns} queue pairs");
+        assert_eq!((shared, conns), (0.0, 11), "rank {r}");
+        assert!(
+            pinned > 0.0 && pinned <= 32.5,
+            "rank {r}: {pinned} MiB pinned"
+        );
+        assert_eq!(closed, joined, "rank {r}");
+    }
+}
+
+/// Rank 0 relays for every communicator it leads (here the world and four `dup`s) on one
+/// thread of its process, not one each.
+fn relay_body() {
+    let (r, n) = rank_size();
+    let world = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let dups: Vec<Comm> = (0..4).map(|_| world.dup().unwrap()).collect();
+    for (k, c) in std::iter::once(&world).chain(&dups).enumerate() {
+        let mut d = [(r + k) as f32; 16];
+        c.all_reduce(AllReduce::Sum, DType::f32, bytemuck::cast_slice_mut(&mut d))
+            .unwrap();
+        let want: f32 = (0..n).map(|q| (q + k) as f32).sum();
+        assert!(d.iter().all(|&x| x == want), "rank {r}: communicator {k}");
+    }
+    if r == 0 {
+        let relays = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim() == "rdmacomm-relay")
+            .count();
+        println!("RESULT rank 0: {relays} relay threads for 5 communicators");
+        assert_eq!(
+            relays, 1,
+            "one relay thread for every communicator rank 0 leads"
+        );
+    }
+    drop(dups);
+    world.barrier().unwrap();
+}
+
+#[test]
+fn one_relay_thread_serves_every_communicator() {
+    const NAME: &str = "one_relay_thread_serves_every_communicator";
+    if !parent_ready(NAME, relay_body) {
+        return;
+    }
+    let outs = spawn(
+        NAME,
+        3,
+        Placement::Local,
+        &|_| Vec::new(),
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&outs);
 }

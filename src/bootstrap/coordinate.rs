@@ -222,7 +222,7 @@ pub(super) fn coordinate(
             );
             for j in joined.iter_mut().flatten() {
                 let _ = j.sock.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = send_frame(&mut j.sock, ABORT, reason.as_bytes());
+                let _ = send_frame(&j.sock, ABORT, reason.as_bytes());
             }
             return Err(Error::Bootstrap(reason));
         }
@@ -245,8 +245,7 @@ pub(super) fn coordinate(
                     let nonce = random::<KEY>();
                     let _ = s.set_nodelay(true);
                     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                    let mut s = s;
-                    if send_frame(&mut s, CHALLENGE, &nonce).is_err()
+                    if send_frame(&s, CHALLENGE, &nonce).is_err()
                         || s.set_nonblocking(true).is_err()
                     {
                         strays.note(from, "closed before the challenge");
@@ -380,7 +379,8 @@ pub(super) fn coordinate(
         .map(|q| full[q].for_rank(0).ok_or_else(|| no_entry(q, 0)))
         .collect::<Result<_>>()?;
     let mut streams: Vec<Option<TcpStream>> = vec![None];
-    for (i, (mut sock, nonce)) in socks.into_iter().enumerate() {
+    let (tables_from, mut table_bytes) = (Instant::now(), 0);
+    for (i, (sock, nonce)) in socks.into_iter().enumerate() {
         let r = i + 1;
         let mut table = Vec::new();
         table.extend_from_slice(&session);
@@ -391,10 +391,11 @@ pub(super) fn coordinate(
         }
         let tag = secret.map_or([0; KEY], |k| mac(k, &[&nonce, &table]));
         table.extend_from_slice(&tag);
+        table_bytes += table.len();
         sock.set_nonblocking(false)?;
         // A joiner that stops reading cannot hold rank 0 past its deadline.
         let by = deadline.max(Instant::now() + Duration::from_secs(1));
-        send_frame_by(&mut sock, TABLE, &table, by).map_err(|e| Error::PeerFailed {
+        send_frame_by(&sock, TABLE, &table, by).map_err(|e| Error::PeerFailed {
             peer: crate::Peer {
                 rank: r,
                 addr: addrs[r].clone(),
@@ -404,6 +405,11 @@ pub(super) fn coordinate(
         sock.set_write_timeout(None)?;
         streams.push(Some(sock));
     }
+    // Rank 0's part that grows with the square of the world (the cost model's table term).
+    log::debug!(
+        "rendezvous of {n} ranks: {table_bytes} bytes of tables sent in {:.1} ms",
+        tables_from.elapsed().as_secs_f64() * 1e3
+    );
     Ok(Rendezvous {
         cards,
         addrs: addrs.clone(),
@@ -473,8 +479,8 @@ fn admit(
             refuse(&mut p.sock, &reason);
             for (r, j) in joined.iter_mut().enumerate() {
                 if let Some(j) = j.take() {
-                    let mut s = j.sock;
-                    let _ = send_frame(&mut s, ABORT, reason.as_bytes());
+                    let s = j.sock;
+                    let _ = send_frame(&s, ABORT, reason.as_bytes());
                     told[r] = true;
                 }
             }
@@ -488,7 +494,7 @@ fn admit(
             let awaiting = match secret {
                 Some(k) => {
                     let proof = mac(k, &[b"rank 0", &h.nonce, &p.nonce]);
-                    if send_frame(&mut p.sock, PROOF, &proof).is_err()
+                    if send_frame(&p.sock, PROOF, &proof).is_err()
                         || p.sock.set_nonblocking(true).is_err()
                     {
                         strays.note(p.from, &format!("rank {rank} closed before rank 0's proof"));

@@ -46,12 +46,12 @@ pub(super) fn join(
     // Wait a little past our own deadline for the coordinator's verdict (which names the
     // missing ranks): it is sent at its deadline, which started no earlier than ours.
     let grace = (cfg.timeout / 4).max(Duration::from_secs(2));
-    let (mut s, challenge) = loop {
-        let attempt = connect().and_then(|mut s| {
+    let (s, challenge) = loop {
+        let attempt = connect().and_then(|s| {
             s.set_nodelay(true)?;
             // A listener that is not (yet) a coordinator sends no challenge: try again.
             let until = (Instant::now() + Duration::from_secs(2)).min(deadline + grace);
-            match recv_frame(&mut s, until) {
+            match recv_frame(&s, until) {
                 Ok((CHALLENGE, nonce)) if nonce.len() == KEY => Ok((s, nonce)),
                 Ok((REJECT | ABORT, why)) => Err(std::io::Error::other(format!(
                     "refused: {}",
@@ -88,7 +88,7 @@ pub(super) fn join(
     let mut hello = body;
     hello.extend_from_slice(&tag);
     s.set_write_timeout(Some(Duration::from_secs(5)))?;
-    send_frame(&mut s, HELLO, &hello).map_err(|e| Error::PeerFailed {
+    send_frame(&s, HELLO, &hello).map_err(|e| Error::PeerFailed {
         peer: coord.clone(),
         reason: format!("sending hello: {e}"),
     })?;
@@ -100,11 +100,10 @@ pub(super) fn join(
         ))
     };
     if let Some(k) = secret {
-        let (kind, proof) =
-            recv_frame(&mut s, deadline + grace).map_err(|e| Error::PeerFailed {
-                peer: coord.clone(),
-                reason: format!("waiting for rank 0's proof of the secret: {e}"),
-            })?;
+        let (kind, proof) = recv_frame(&s, deadline + grace).map_err(|e| Error::PeerFailed {
+            peer: coord.clone(),
+            reason: format!("waiting for rank 0's proof of the secret: {e}"),
+        })?;
         match kind {
             PROOF if mac_ok(k, &[b"rank 0", &nonce, &challenge], &proof) => {}
             REJECT | ABORT => return Err(refused(&proof)),
@@ -120,12 +119,12 @@ pub(super) fn join(
         let tag = mac(k, &[b"card", &challenge, &c]);
         let mut frame = c;
         frame.extend_from_slice(&tag);
-        send_frame(&mut s, CARD, &frame).map_err(|e| Error::PeerFailed {
+        send_frame(&s, CARD, &frame).map_err(|e| Error::PeerFailed {
             peer: coord.clone(),
             reason: format!("sending its card: {e}"),
         })?;
     }
-    let (kind, body) = recv_frame(&mut s, deadline + grace).map_err(|e| {
+    let (kind, body) = recv_frame(&s, deadline + grace).map_err(|e| {
         if e.kind() == ErrorKind::TimedOut {
             Error::Bootstrap(format!(
                 "rank {}: the coordinator {sa} did not complete the rendezvous within {:?} \

@@ -2,17 +2,19 @@
 //! once what the others must learn (aborts, departures, probes), whatever rank 0's own thread
 //! is doing meanwhile (another communicator's operation, the application's own work); it also
 //! judges stalled waits, so a verdict never waits for rank 0's own thread. Rank 0's side channel
-//! takes what the thread read from its inbox.
+//! takes what the thread read from its inbox. One thread serves every communicator of the
+//! process that it is rank 0 of (`dup`s and `split`s too), waiting on all their connections at
+//! once.
 
 use super::stalls::{verdict, STALL_WINDOW};
 use super::wire::*;
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// What the relay read from rank `r`'s connection.
@@ -77,86 +79,158 @@ impl Shared {
     }
 }
 
-/// The running relay: stopped and joined on drop (after the caller shut the connections down,
-/// which wakes it).
+/// One communicator's relaying, registered with the process's relay thread until dropped
+/// (after the caller shut the connections down).
 pub(super) struct Relay {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl Relay {
-    /// Starts relaying over `streams` (rank 0's connections, non-blocking, by rank).
-    pub fn start(streams: &[Option<TcpStream>], shared: Arc<Shared>) -> std::io::Result<Relay> {
-        let mut conns = Vec::with_capacity(streams.len());
-        for s in streams {
-            conns.push(match s {
-                Some(s) => Some((s.try_clone()?, s.try_clone()?)),
-                None => None,
-            });
+    /// Starts relaying over `streams` (rank 0's connections, non-blocking, by rank), which the
+    /// side channel keeps using (its writes hold [`Shared::write_lock`]), on the process's one
+    /// relay thread (started here if none runs).
+    pub fn start(
+        streams: &[Option<Arc<TcpStream>>],
+        shared: Arc<Shared>,
+    ) -> std::io::Result<Relay> {
+        let n = streams.len();
+        let job = Job {
+            conns: streams.to_vec(),
+            pending: vec![Vec::new(); n],
+            left: vec![false; n],
+            leaving: vec![false; n],
+            stalls: Stalls {
+                reported: vec![None; n],
+                since: None,
+            },
+            sh: shared.clone(),
+        };
+        let mut reg = registry();
+        if reg.wake.is_none() {
+            let (rx, tx) = UnixStream::pair()?;
+            rx.set_nonblocking(true)?;
+            tx.set_nonblocking(true)?;
+            reg.wake = Some((rx, tx));
         }
-        let sh = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("rdmacomm-relay".into())
-            .spawn(move || run(conns, &sh))?;
-        Ok(Relay {
-            shared,
-            thread: Some(thread),
-        })
+        reg.jobs.push(job);
+        if !reg.running {
+            std::thread::Builder::new()
+                .name("rdmacomm-relay".into())
+                .spawn(run)?;
+            reg.running = true;
+        }
+        wake(&reg);
+        Ok(Relay { shared })
     }
 
-    /// Asks the thread to stop at its next wake-up.
+    /// Asks the thread to stop relaying for this communicator at its next wake-up.
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        wake(&registry());
     }
 }
 
 impl Drop for Relay {
+    /// Stops, and waits (at most 1 s) until the thread let go of this communicator's sockets.
     fn drop(&mut self) {
         self.stop();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let until = Instant::now() + std::time::Duration::from_secs(1);
+        let held = |sh: &Arc<Shared>| registry().jobs.iter().any(|j| Arc::ptr_eq(&j.sh, sh));
+        while held(&self.shared) && Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_micros(200));
         }
     }
 }
 
-/// The thread: per rank a (reader, writer) pair of handles on one connection.
-fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
-    let n = conns.len();
-    let mut pending = vec![Vec::new(); n];
-    let mut left = vec![false; n];
-    let mut leaving = vec![false; n];
-    let mut stalls = Stalls {
-        reported: vec![None; n],
-        since: None,
-    };
+/// Every communicator this process relays for (it is rank 0 of each), and the thread's state.
+#[derive(Default)]
+struct Registry {
+    jobs: Vec<Job>,
+    running: bool,
+    /// Wakes the thread when a job comes or stops (read end, write end).
+    wake: Option<(UnixStream, UnixStream)>,
+}
+
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    jobs: Vec::new(),
+    running: false,
+    wake: None,
+});
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn wake(reg: &Registry) {
+    if let Some((_, tx)) = reg.wake.as_ref() {
+        let _ = (&*tx).write(&[1]); // a full pipe already wakes it
+    }
+}
+
+/// One communicator's relaying: per rank the connection it shares with the side channel.
+struct Job {
+    conns: Vec<Option<Arc<TcpStream>>>,
+    pending: Vec<Vec<u8>>,
+    left: Vec<bool>,
+    leaving: Vec<bool>,
+    stalls: Stalls,
+    sh: Arc<Shared>,
+}
+
+/// The process's relay thread: waits on every job's connections at once, then serves each;
+/// it ends when no job is left (a later one starts it again).
+fn run() {
     let mut buf = [0u8; 4096];
-    let mut fds = Vec::with_capacity(n);
+    let mut fds = Vec::new();
     loop {
-        stalls.judge(&mut conns, sh);
-        if sh.stop.load(Ordering::SeqCst) {
-            return;
+        let waits: Vec<crate::sys::Wait> = {
+            let mut reg = registry();
+            reg.jobs.retain(|j| !j.sh.stop.load(Ordering::SeqCst));
+            if reg.jobs.is_empty() {
+                // Nothing of the thread's stays behind it (its wake pair either).
+                reg.running = false;
+                reg.wake = None;
+                return;
+            }
+            let socks = reg.jobs.iter().flat_map(|j| j.conns.iter().flatten());
+            let wake = reg.wake.as_ref().map(|(rx, _)| rx.as_raw_fd());
+            socks
+                .map(|r| r.as_raw_fd())
+                .chain(wake)
+                .map(|fd| crate::sys::Wait {
+                    fd,
+                    read: true,
+                    write: false,
+                })
+                .collect()
+        };
+        crate::sys::wait(waits, 100, &mut fds);
+        let mut reg = registry();
+        if let Some((rx, _)) = reg.wake.as_ref() {
+            while matches!((&*rx).read(&mut buf), Ok(k) if k > 0) {}
         }
-        if conns.iter().all(Option::is_none) {
-            return;
+        reg.jobs.retain_mut(|j| j.serve(&mut buf));
+    }
+}
+
+impl Job {
+    /// Judges stalls, reads every connection and relays what came; false once this job is over
+    /// (stopped, or every connection ended).
+    fn serve(&mut self, buf: &mut [u8]) -> bool {
+        let sh = self.sh.clone();
+        self.stalls.judge(&mut self.conns, &sh);
+        if sh.stop.load(Ordering::SeqCst) || self.conns.iter().all(Option::is_none) {
+            return false;
         }
-        let socks = conns.iter().flatten().map(|(r, _)| crate::sys::Wait {
-            fd: r.as_raw_fd(),
-            read: true,
-            write: false,
-        });
-        crate::sys::wait(socks, 100, &mut fds);
-        if sh.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        for r in 0..n {
+        for r in 0..self.conns.len() {
             let mut ended = None;
-            while let Some((rd, _)) = conns[r].as_mut() {
-                match rd.read(&mut buf) {
+            while let Some(mut rd) = self.conns[r].as_deref() {
+                match rd.read(buf) {
                     Ok(0) => {
                         ended = Some("its side-channel connection closed without a goodbye (process died or host unreachable); seen by rank 0".to_string());
                         break;
                     }
-                    Ok(k) => pending[r].extend_from_slice(&buf[..k]),
+                    Ok(k) => self.pending[r].extend_from_slice(&buf[..k]),
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
                     Err(e) => {
@@ -168,16 +242,24 @@ fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
                 }
             }
             // Whole frames first: a goodbye just before the end makes the end no failure.
-            while let Some((kind, body)) = next_frame(&mut pending[r]) {
+            while let Some((kind, body)) = next_frame(&mut self.pending[r]) {
                 match kind {
-                    Some(STALLED) => stalls.report(r, &body),
-                    Some(kind) => relay(&mut conns, sh, r, kind, body, &mut left, &mut leaving),
+                    Some(STALLED) => self.stalls.report(r, &body),
+                    Some(kind) => relay(
+                        &mut self.conns,
+                        &sh,
+                        r,
+                        kind,
+                        body,
+                        &mut self.left,
+                        &mut self.leaving,
+                    ),
                     None => {
                         sh.push(Event::Ended(
                             r,
                             format!("sent a malformed side-channel frame ({} bytes)", body.len()),
                         ));
-                        conns[r] = None;
+                        self.conns[r] = None;
                         break;
                     }
                 }
@@ -185,18 +267,19 @@ fn run(mut conns: Vec<Option<(TcpStream, TcpStream)>>, sh: &Shared) {
             if let Some(why) = ended {
                 // Shut down by rank 0's own side channel while closing: no failure.
                 if sh.stop.load(Ordering::SeqCst) {
-                    return;
+                    return false;
                 }
-                let why = if left[r] { String::new() } else { why };
+                let why = if self.left[r] { String::new() } else { why };
                 if !why.is_empty() && !sh.abort_sent.swap(true, Ordering::SeqCst) {
                     let mut body = (r as u32).to_le_bytes().to_vec();
                     put_bytes(&mut body, why.as_bytes());
-                    send_all(&mut conns, sh, ABORT, &body, None);
+                    send_all(&mut self.conns, &sh, ABORT, &body, None);
                 }
-                conns[r] = None;
+                self.conns[r] = None;
                 sh.push(Event::Ended(r, why));
             }
         }
+        true
     }
 }
 
@@ -220,7 +303,7 @@ impl Stalls {
 
     /// Once reports have gathered for [`STALL_WINDOW`] and nothing else was told: names the rank
     /// the waits lead to, to every rank and to rank 0's own side channel.
-    fn judge(&mut self, conns: &mut [Option<(TcpStream, TcpStream)>], sh: &Shared) {
+    fn judge(&mut self, conns: &mut [Option<Arc<TcpStream>>], sh: &Shared) {
         let own = sh.own_stall.load(Ordering::SeqCst);
         if own < self.reported.len() && self.reported[0].is_none() {
             self.reported[0] = Some(own);
@@ -270,7 +353,7 @@ fn next_frame(p: &mut Vec<u8>) -> Option<(Option<u8>, Vec<u8>)> {
 /// Passes on what the other ranks must learn from `r`'s frame, and keeps the frame for rank
 /// 0's side channel (except a probe for another rank).
 fn relay(
-    conns: &mut [Option<(TcpStream, TcpStream)>],
+    conns: &mut [Option<Arc<TcpStream>>],
     sh: &Shared,
     r: usize,
     kind: u8,
@@ -293,7 +376,7 @@ fn relay(
         PROBE => {
             let to = Reader(&body).u32().map_or(0, |t| t as usize);
             if to != 0 {
-                if let Some((_, w)) = conns.get_mut(to).and_then(Option::as_mut) {
+                if let Some(w) = conns.get(to).and_then(Option::as_deref) {
                     let _g = sh.write_lock.lock().unwrap_or_else(|e| e.into_inner());
                     let _ = send_frame_nb(w, PROBE, &body);
                 }
@@ -307,7 +390,7 @@ fn relay(
 }
 
 fn send_all(
-    conns: &mut [Option<(TcpStream, TcpStream)>],
+    conns: &mut [Option<Arc<TcpStream>>],
     sh: &Shared,
     kind: u8,
     body: &[u8],
@@ -315,7 +398,7 @@ fn send_all(
 ) {
     let _g = sh.write_lock.lock().unwrap_or_else(|e| e.into_inner());
     for (q, c) in conns.iter_mut().enumerate() {
-        if let Some((_, w)) = c.as_mut().filter(|_| Some(q) != except) {
+        if let Some(w) = c.as_deref().filter(|_| Some(q) != except) {
             let _ = send_frame_nb(w, kind, body);
         }
     }

@@ -31,7 +31,8 @@ pub struct Probe {
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.
 pub struct SideChannel {
     rank: usize,
-    streams: Vec<Option<TcpStream>>,
+    /// Shared with rank 0's relay, which reads and writes them too (no second descriptor).
+    streams: Vec<Option<Arc<TcpStream>>>,
     addrs: Vec<String>,
     timeout: Duration,
     /// Bytes of a frame read so far, per stream (non-blocking mode).
@@ -82,7 +83,9 @@ impl SideChannel {
             }
             for r in 1..self.streams.len() {
                 let peer = self.peer(r);
-                let s = self.streams[r].as_mut().expect("rank 0 holds every stream");
+                let s = self.streams[r]
+                    .as_deref()
+                    .expect("rank 0 holds every stream");
                 send_frame(s, GO, &[]).map_err(|e| Error::PeerFailed {
                     peer,
                     reason: format!("side channel: {e}"),
@@ -91,7 +94,7 @@ impl SideChannel {
             Ok(())
         } else {
             let peer = self.peer(0);
-            let s = self.streams[0].as_mut().expect("a stream to rank 0");
+            let s = self.streams[0].as_deref().expect("a stream to rank 0");
             send_frame(s, READY, &[]).map_err(|e| Error::PeerFailed {
                 peer: peer.clone(),
                 reason: format!("side channel: {e}"),
@@ -115,7 +118,7 @@ impl SideChannel {
         deadline: Instant,
     ) -> std::result::Result<(), (usize, String)> {
         let n = self.streams.len();
-        let Some(s) = self.streams[r].as_mut() else {
+        let Some(s) = self.streams[r].as_deref() else {
             return Err((r, "its side channel had closed".into()));
         };
         match recv_frame(s, deadline) {
@@ -188,7 +191,7 @@ impl SideChannel {
         if self.relay.is_some() {
             return;
         }
-        let set = |streams: &[Option<TcpStream>], nb: bool| {
+        let set = |streams: &[Option<Arc<TcpStream>>], nb: bool| {
             for s in streams.iter().flatten() {
                 let _ = s.set_nonblocking(nb);
             }
@@ -214,7 +217,7 @@ impl SideChannel {
             .with_retries(3);
         for s in self.streams.iter().flatten() {
             s.set_nonblocking(true)?;
-            socket2::SockRef::from(s).set_tcp_keepalive(&ka)?;
+            socket2::SockRef::from(&**s).set_tcp_keepalive(&ka)?;
         }
         if self.rank == 0 && self.streams.len() > 1 {
             self.relay = Some(Relay::start(&self.streams, self.shared.clone())?);
@@ -271,7 +274,7 @@ impl SideChannel {
         }
         let mut buf = [0u8; 4096];
         for r in 0..self.streams.len() {
-            while let Some(s) = self.streams[r].as_mut() {
+            while let Some(mut s) = self.streams[r].as_deref() {
                 match s.read(&mut buf) {
                     Ok(0) => {
                         self.streams[r] = None;
@@ -481,7 +484,7 @@ impl SideChannel {
         }
         SideChannel {
             rank,
-            streams,
+            streams: streams.into_iter().map(|s| s.map(Arc::new)).collect(),
             addrs,
             timeout,
             pending: vec![Vec::new(); n],

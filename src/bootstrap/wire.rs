@@ -100,7 +100,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-pub(crate) fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
+pub(crate) fn send_frame(mut s: &TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
     let mut f = Vec::with_capacity(body.len() + 5);
     f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
     f.push(kind);
@@ -111,7 +111,7 @@ pub(crate) fn send_frame(s: &mut TcpStream, kind: u8, body: &[u8]) -> std::io::R
 /// [`send_frame`] by `deadline` at the latest (a socket's write timeout bounds each write call,
 /// not the frame: a reader taking a few bytes at a time could stretch it without end).
 pub(crate) fn send_frame_by(
-    s: &mut TcpStream,
+    mut s: &TcpStream,
     kind: u8,
     body: &[u8],
     deadline: Instant,
@@ -181,7 +181,7 @@ pub(crate) fn send_frame_nb(s: &TcpStream, kind: u8, body: &[u8]) -> std::io::Re
     Ok(())
 }
 
-pub(crate) fn recv_frame(s: &mut TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {
+pub(crate) fn recv_frame(mut s: &TcpStream, deadline: Instant) -> std::io::Result<(u8, Vec<u8>)> {
     let mut read_exact = |buf: &mut [u8]| -> std::io::Result<()> {
         let mut got = 0;
         while got < buf.len() {
@@ -302,7 +302,7 @@ mod tests {
     fn a_frame_is_whole_or_the_connection_ends() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut r, _) = l.accept().unwrap();
+        let (r, _) = l.accept().unwrap();
         w.set_nonblocking(true).unwrap();
         // The reader reads nothing until the writer gives up: the socket fills mid-frame.
         let body: Vec<u8> = (0..9999u32).map(|i| i as u8).collect();
@@ -314,7 +314,7 @@ mod tests {
         let mut got = 0;
         let far = Instant::now() + std::time::Duration::from_secs(5);
         loop {
-            match recv_frame(&mut r, far) {
+            match recv_frame(&r, far) {
                 Ok((k, b)) => {
                     assert_eq!((k, b.len()), (PROBE, body.len()), "frame {got} out of step");
                     assert_eq!(b, body);

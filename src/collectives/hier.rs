@@ -116,8 +116,8 @@ pub fn all_reduce(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let Some(l) = layout else {
-        let dmax = tuning::doubling_max(link.props().medium, link.size());
-        let algo = Algo::Auto.choose(link.size(), data.len(), dmax, false, false);
+        let limits = tuning::limits(link.props().medium, link.size());
+        let algo = Algo::Auto.choose(link.size(), data.len(), limits, false, false);
         return flat(link, algo, op, dtype, data, scratch);
     };
     let es = dtype.size();
@@ -130,8 +130,8 @@ pub fn all_reduce(
     {
         let mut across = View::new(&mut *link, &l.cross, l.cross_index);
         let part = &mut data[off..off + len];
-        let dmax = tuning::doubling_max(across.props().medium, l.cross.len());
-        let algo = Algo::Auto.choose(l.cross.len(), len, dmax, false, false);
+        let limits = tuning::limits(across.props().medium, l.cross.len());
+        let algo = Algo::Auto.choose(l.cross.len(), len, limits, false, false);
         flat(&mut across, algo, op, dtype, part, scratch)?;
     }
     let mut host = View::new(link, &l.local, l.local_index);

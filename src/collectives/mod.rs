@@ -60,25 +60,25 @@ pub const DOUBLING_MAX_BYTES: usize = 16 << 10;
 pub const DIRECT_MAX_BYTES: usize = 4 << 10;
 
 impl Algo {
-    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose
-    /// recursive doubling wins up to `doubling_max` bytes ([`tuning::doubling_max`]) and whose peers share memory or not
-    /// (`shared`): one step up to [`DIRECT_MAX_BYTES`] where they share it, doubling up to
-    /// `doubling_max`, then hierarchical where the link's hosts form a regular layout
-    /// (`layered`, [`hier::Layout`]), else halving-doubling, and the ring for non-powers of two
-    /// (whose fold doubles the traffic of two ranks).
+    /// The algorithm [`Algo::Auto`] runs for `bytes` on `n` ranks over a link whose limits are
+    /// `limits` ([`tuning::limits`]) and whose peers share memory or not (`shared`): one step up
+    /// to [`DIRECT_MAX_BYTES`] where they share it, doubling up to the doubling limit, then
+    /// hierarchical where the link's hosts form a regular layout (`layered`, [`hier::Layout`]),
+    /// else halving-doubling on a power of two, and on other worlds up to the fold limit (where
+    /// the ring's 2 (n - 1) steps cost more than folding the extra ranks in), then the ring.
     pub(crate) fn choose(
         self,
         n: usize,
         bytes: usize,
-        doubling_max: usize,
+        limits: tuning::Limits,
         shared: bool,
         layered: bool,
     ) -> Algo {
         match self {
             Algo::Auto if shared && n > 2 && bytes <= DIRECT_MAX_BYTES => Algo::Direct,
-            Algo::Auto if bytes <= doubling_max => Algo::Doubling,
+            Algo::Auto if bytes <= limits.doubling_max => Algo::Doubling,
             Algo::Auto if layered => Algo::Hierarchical,
-            Algo::Auto if n.is_power_of_two() => Algo::Halving,
+            Algo::Auto if n.is_power_of_two() || bytes <= limits.fold_max => Algo::Halving,
             Algo::Auto => Algo::Ring,
             a => a,
         }
@@ -129,7 +129,15 @@ mod tests {
     #[test]
     fn auto_chooses_by_size_world_and_link() {
         let auto = Algo::Auto;
-        let d = DOUBLING_MAX_BYTES;
+        let d = tuning::Limits {
+            doubling_max: DOUBLING_MAX_BYTES,
+            fold_max: 0,
+        };
+        let lim = |doubling_max| tuning::Limits {
+            doubling_max,
+            fold_max: 0,
+        };
+        let dd = DOUBLING_MAX_BYTES;
         assert_eq!(
             auto.choose(4, DIRECT_MAX_BYTES, d, true, false),
             Algo::Direct
@@ -148,15 +156,25 @@ mod tests {
             Algo::Doubling,
             "not over a network"
         );
-        assert_eq!(auto.choose(4, d + 1, d, false, false), Algo::Halving);
-        assert_eq!(auto.choose(3, d + 1, d, true, false), Algo::Ring);
+        assert_eq!(auto.choose(4, dd + 1, d, false, false), Algo::Halving);
+        assert_eq!(auto.choose(3, dd + 1, d, true, false), Algo::Ring);
+        // A world not a power of two: halving-doubling (with its fold) up to the fold limit.
+        let folds = tuning::Limits {
+            fold_max: 1 << 20,
+            ..d
+        };
+        assert_eq!(auto.choose(12, 1 << 20, folds, false, false), Algo::Halving);
         assert_eq!(
-            auto.choose(2, 256 << 10, 256 << 10, false, false),
+            auto.choose(12, (1 << 20) + 1, folds, false, false),
+            Algo::Ring
+        );
+        assert_eq!(
+            auto.choose(2, 256 << 10, lim(256 << 10), false, false),
             Algo::Doubling
         );
         assert_eq!(auto.choose(4, 8, d, false, true), Algo::Doubling);
         assert_eq!(
-            auto.choose(4, d + 1, d, false, true),
+            auto.choose(4, dd + 1, d, false, true),
             Algo::Hierarchical,
             "hosts of several ranks, past the doubling range"
         );
@@ -167,7 +185,7 @@ mod tests {
             Algo::Direct,
             Algo::Hierarchical,
         ] {
-            assert_eq!(forced.choose(4, 8, usize::MAX, true, true), forced);
+            assert_eq!(forced.choose(4, 8, lim(usize::MAX), true, true), forced);
         }
     }
 

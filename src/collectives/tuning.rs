@@ -15,6 +15,47 @@ pub fn doubling_max(medium: Medium, n: usize) -> usize {
     }
 }
 
+/// What one message's fixed cost is worth in bytes over `medium` (alpha / beta of the cost model
+/// in docs/DESIGN.md): loopback TCP 8-10 us at 3.6-4.0 GB/s, shared memory 1.2 us at 15 GB/s,
+/// InfiniBand about 2 us at 12.5 GB/s (100 Gb/s) and more on faster links.
+pub fn latency_bytes(medium: Medium) -> usize {
+    match medium {
+        Medium::SharedMemory => 16 << 10,
+        _ => 32 << 10,
+    }
+}
+
+/// The largest all_reduce (bytes) that `Algo::Auto` runs as halving-doubling on a world of `n`
+/// ranks that is not a power of two (past it, the ring). Halving-doubling there folds the extra
+/// ranks in and out (the whole vector twice more) but takes 2 log2(n) steps to the ring's
+/// 2 (n - 1): it wins while the ring's extra steps cost more than the fold's bytes, below
+/// (n - 1 - log2 n) messages' worth of bytes. Measured over loopback TCP (docs/BENCHMARKS.md):
+/// halving wins 3-8x at 16-256 KiB on 12, 24 and 48 ranks, ties near 1 MiB (wins at 48) and
+/// loses at 4 MiB; this bound (256 KiB, 608 KiB, 1.3 MiB there) stays on the safe side.
+pub fn fold_max(medium: Medium, n: usize) -> usize {
+    let lg = usize::BITS - n.max(1).leading_zeros(); // ceil(log2 n) + (1 for a power of two)
+    n.saturating_sub(lg as usize) * latency_bytes(medium)
+}
+
+/// The sizes up to which `Algo::Auto` takes the latency-bound algorithms on `n` ranks over
+/// `medium`.
+pub fn limits(medium: Medium, n: usize) -> Limits {
+    Limits {
+        doubling_max: doubling_max(medium, n),
+        fold_max: fold_max(medium, n),
+    }
+}
+
+/// See [`limits`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Recursive doubling up to this many bytes ([`doubling_max`]).
+    pub doubling_max: usize,
+    /// Halving-doubling rather than the ring up to this many bytes where `n` is not a power of
+    /// two ([`fold_max`]).
+    pub fold_max: usize,
+}
+
 /// The largest all_reduce (bytes) run in one piece over `medium`: a larger one runs as
 /// consecutive all_reduces of at most this many bytes, each reduced and sent on while its bytes
 /// are still in the cache (NCCL loops over its buffer in slices alike).
@@ -67,6 +108,16 @@ pub fn sum_scatter_halving(n: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fold_limit_follows_the_extra_steps_of_the_ring() {
+        // (n - 1 - floor(log2 n)) messages' worth: 8 at 12 ranks, 19 at 24, 42 at 48.
+        for (n, steps) in [(3, 1), (5, 2), (12, 8), (24, 19), (48, 42), (1000, 990)] {
+            assert_eq!(fold_max(Medium::Tcp, n), steps * (32 << 10), "{n} ranks");
+        }
+        assert_eq!(fold_max(Medium::SharedMemory, 12), 8 * (16 << 10));
+        assert_eq!(fold_max(Medium::Tcp, 1), 0);
+    }
 
     #[test]
     fn thresholds_by_medium() {

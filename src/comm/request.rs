@@ -533,13 +533,13 @@ fn all_reduce(
         // Every rank has the same host map where it is regular (no rank is alone on its host
         // there), so every rank makes the same choice.
         let layout = c.layout.as_ref();
-        let (n, len, dmax, shared) = (
+        let (n, len, limits, shared) = (
             l.size(),
             part.len(),
-            tuning::doubling_max(l.props().medium, l.size()),
+            tuning::limits(l.props().medium, l.size()),
             l.props().shares_memory,
         );
-        match algo.choose(n, len, dmax, shared, layout.is_some()) {
+        match algo.choose(n, len, limits, shared, layout.is_some()) {
             Algo::Hierarchical => hier::all_reduce(l, layout, op, dtype, part, scratch)?,
             Algo::Direct => direct::all_reduce_direct(l, op, dtype, part, scratch)?,
             Algo::Doubling => halving::all_reduce_doubling(l, op, dtype, part, scratch)?,

@@ -91,6 +91,8 @@ pub(super) struct Dialer {
     inbound: Vec<Inbound>,
     /// Peers up (connected and proven), so that a late dial from one is declined.
     up: Vec<bool>,
+    /// Dials connecting or proving (kept by `dial` and `step`: `busy` is asked on every wait).
+    under_way: usize,
 }
 
 impl Dialer {
@@ -112,16 +114,13 @@ impl Dialer {
             up: vec![false; n],
             addrs,
             session,
+            under_way: 0,
         })
     }
 
     /// Whether a dial or an accepted connection is under way.
     pub(super) fn busy(&self) -> bool {
-        !self.inbound.is_empty()
-            || self
-                .out
-                .iter()
-                .any(|o| matches!(o, Some(Outgoing::Connecting(_) | Outgoing::Proving { .. })))
+        !self.inbound.is_empty() || self.under_way > 0
     }
 
     /// Starts a dial to `p` unless one is under way, `p` is up, or `p` keeps its own.
@@ -140,6 +139,7 @@ impl Dialer {
             Err(e) => return Err(fail(e)),
         }
         self.out[p] = Some(Outgoing::Connecting(s));
+        self.under_way += 1;
         Ok(())
     }
 
@@ -172,32 +172,37 @@ impl Dialer {
     }
 
     /// Moves every connection under way as far as it goes without waiting; what came up or
-    /// failed goes to `events`. Returns whether anything moved.
+    /// failed goes to `events`. Returns whether a dial of this rank's moved or a peer came up:
+    /// what a stranger's connection does is no progress (it must not hold a wait off its
+    /// deadline).
     pub(super) fn step(&mut self, events: &mut Vec<Event>) -> Result<bool> {
-        let mut moved = self.accept()?;
-        for p in 0..self.out.len() {
-            moved |= self.advance(p, events);
+        let before = events.len();
+        self.accept();
+        let mut moved = false;
+        if self.under_way > 0 {
+            for p in 0..self.out.len() {
+                moved |= self.advance(p, events);
+            }
         }
         let mut i = 0;
         while i < self.inbound.len() {
-            match self.read_hello(i, events) {
-                Some(m) => {
-                    moved |= m;
-                    i += 1;
-                }
-                None => moved = true, // removed at i
+            if self.read_hello(i, events) {
+                i += 1;
             }
         }
-        Ok(moved)
+        self.under_way = self
+            .out
+            .iter()
+            .filter(|o| matches!(o, Some(Outgoing::Connecting(_) | Outgoing::Proving { .. })))
+            .count();
+        Ok(moved || events.len() > before)
     }
 
     /// Accepts what the listener holds.
-    fn accept(&mut self) -> Result<bool> {
-        let mut moved = false;
+    fn accept(&mut self) {
         loop {
             match self.listener.accept() {
                 Ok((s, _)) => {
-                    moved = true;
                     if self.inbound.len() < MAX_INBOUND && s.set_nonblocking(true).is_ok() {
                         self.inbound.push(Inbound {
                             sock: s,
@@ -206,11 +211,10 @@ impl Dialer {
                         });
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(moved),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                // The peer reset it before it was accepted, or the process is out of
-                // descriptors for now: what a later step may retry.
-                Err(_) => return Ok(moved),
+                // Drained; or the peer reset it before it was accepted, or the process is out
+                // of descriptors for now: what a later step may retry.
+                Err(_) => return,
             }
         }
     }
@@ -306,20 +310,16 @@ impl Dialer {
         }
     }
 
-    /// Reads inbound connection `i`'s hello and answers it. `None`: it was removed (answered,
-    /// or dropped as a stranger's or a late one's); else whether it moved.
-    fn read_hello(&mut self, i: usize, events: &mut Vec<Event>) -> Option<bool> {
+    /// Reads inbound connection `i`'s hello and answers it: whether it is still there (false:
+    /// answered, or dropped as a stranger's or a late one's).
+    fn read_hello(&mut self, i: usize, events: &mut Vec<Event>) -> bool {
         let c = &mut self.inbound[i];
         let mut buf = [0u8; HELLO];
-        let mut moved = false;
         let mut drop_it = Instant::now() >= c.until;
         while c.got.len() < HELLO && !drop_it {
             match c.sock.read(&mut buf[..HELLO - c.got.len()]) {
                 Ok(0) => drop_it = true,
-                Ok(k) => {
-                    c.got.extend_from_slice(&buf[..k]);
-                    moved = true;
-                }
+                Ok(k) => c.got.extend_from_slice(&buf[..k]),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(_) => drop_it = true,
@@ -327,16 +327,16 @@ impl Dialer {
         }
         if drop_it {
             self.inbound.swap_remove(i);
-            return None;
+            return false;
         }
         if c.got.len() < HELLO {
-            return Some(moved);
+            return true;
         }
         let Inbound { mut sock, got, .. } = self.inbound.swap_remove(i);
         let p = u32::from_le_bytes(got[..4].try_into().expect("4 bytes")) as usize;
         let n = self.addrs.len();
         if p >= n || p == self.me || !proof_ok(&self.session, p, self.me, &got[4..]) {
-            return None; // a stranger, or another group's rank
+            return false; // a stranger, or another group's rank
         }
         // Where both dialed, the lower rank's dial is kept; a peer already up is declined.
         let ours = matches!(
@@ -353,7 +353,7 @@ impl Dialer {
             self.up[p] = true;
             events.push(Event::Up(p, sock));
         }
-        None
+        false
     }
 }
 
@@ -457,6 +457,23 @@ mod tests {
             let mut b = [0u8; 1];
             assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
         }
+    }
+
+    #[test]
+    fn a_strangers_connection_is_no_progress() {
+        let mut ds = group(2, [7; KEY]);
+        let mut junk = TcpStream::connect(ds[0].addrs[0]).unwrap();
+        junk.write_all(b"GET / HTTP/1.0").unwrap();
+        let mut ev = Vec::new();
+        for _ in 0..20 {
+            // Accepted, read, then dropped: none of it may restart a wait's clock.
+            assert!(!ds[0].step(&mut ev).unwrap());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(ev.is_empty());
+        ds[1].dial(0).unwrap();
+        let got = run(&mut ds, |g| !g[0].is_empty() && !g[1].is_empty());
+        assert_eq!((ups(&got[0]), ups(&got[1])), (vec![1], vec![0]));
     }
 
     #[test]
