@@ -66,19 +66,22 @@ type Held = (f64, f64, usize);
 /// checked its results, and returns what each rank held when it had joined and when it closed
 /// (its `info` lines).
 fn run(name: &str, n: usize, transport: &str, connect: &str) -> Vec<(Held, Held)> {
-    run_on(name, n, Placement::Local, transport, connect)
+    run_on(name, n, Placement::Local, transport, connect, &|_| {
+        Vec::new()
+    })
 }
 
-/// [`run`] with ranks placed by `placement`.
+/// [`run`] with ranks placed by `placement`, rank r with `more(r)`'s variables too.
 fn run_on(
     name: &str,
     n: usize,
     placement: Placement,
     transport: &str,
     connect: &str,
+    more: &dyn Fn(usize) -> Vec<(&'static str, String)>,
 ) -> Vec<(Held, Held)> {
-    let env = |_| {
-        [
+    let env = |r| {
+        let mut v: Vec<(String, String)> = [
             ("RDMACOMM_TRANSPORT", transport),
             ("RDMACOMM_TIMEOUT", "120"),
             ("RDMACOMM_DEBUG", "info"),
@@ -86,7 +89,9 @@ fn run_on(
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
+        .collect();
+        v.extend(more(r).into_iter().map(|(k, v)| (k.to_string(), v)));
+        v
     };
     let t0 = Instant::now();
     let outs = spawn(name, n, placement, &env, Duration::from_secs(600));
@@ -185,6 +190,37 @@ fn thirty_two_ranks_over_shared_memory() {
     }
 }
 
+/// TCP with shared memory between same-host ranks, 19 ranks on one host and one alone on
+/// another: the rings shrink by the crowded host (each rank's segment at most 4 MiB, where it
+/// was 19 x 8 x 64 KiB), every rank cuts chunks alike, the lone one included.
+#[test]
+fn twenty_ranks_beside_a_network_on_a_crowded_host() {
+    const NAME: &str = "twenty_ranks_beside_a_network_on_a_crowded_host";
+    if !parent_ready(NAME, body) {
+        return;
+    }
+    if require_rdma() {
+        println!("SKIPPED: runs on the host");
+        return;
+    }
+    let hosts = |r: usize| {
+        let h = if r == 7 { "b" } else { "a" };
+        vec![
+            ("RDMACOMM_SHM", "1".to_string()),
+            ("RDMACOMM_HOST_ID", format!("crowded-{h}")),
+        ]
+    };
+    let held = run_on(NAME, 20, Placement::Local, "tcp", "on-demand", &hosts);
+    for (r, ((shared, pinned, _), _)) in held.into_iter().enumerate() {
+        let want = if r == 7 { 0.0 } else { 4.0 };
+        assert!(
+            shared <= want && (r == 7 || shared > 0.0),
+            "rank {r}: {shared} MiB of shared memory"
+        );
+        assert_eq!(pinned, 0.0, "rank {r}");
+    }
+}
+
 /// The VM's largest world over RDMA: 12 ranks, four on each of its three soft-RoCE hosts, each
 /// rank's pinned memory within the default slots' budget (32 MiB) and a queue pair per peer.
 #[test]
@@ -197,7 +233,9 @@ fn twelve_ranks_over_rdma_on_three_hosts() {
         println!("SKIPPED: runs in the VM stage (RDMA on three hosts)");
         return;
     }
-    let held = run_on(NAME, 12, Placement::Hosts, "rdma", "on-demand");
+    let held = run_on(NAME, 12, Placement::Hosts, "rdma", "on-demand", &|_| {
+        Vec::new()
+    });
     for (r, (joined, closed)) in held.into_iter().enumerate() {
         let (shared, pinned, conns) = joined;
         println!("rank {r}: {pinned} MiB pinned, {conns} queue pairs");

@@ -15,7 +15,7 @@ use crate::error::{Error, Peer, Result};
 use crate::transport::op::{OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::shm::{blame, NAP, SPIN, YIELD};
-use crate::transport::shm_slots::{slots_for, Pending, Slots};
+use crate::transport::shm_slots::{slots_for, Fit, Pending, Slots};
 use crate::transport::{rdma, tcp, Lending, Link, Props, Transport};
 use std::time::Duration;
 
@@ -50,8 +50,13 @@ pub fn connect_with(
     let chunk = if rdma { cfg.slot_bytes } else { cfg.tcp_chunk };
     // A same-host peer buffers at least as many chunks as a network peer: a program's sends
     // must not block sooner (and deadlock where they did not) because its peer shares the host.
+    // Where a host is crowded the rings' chunk shrinks instead, alike on every rank, and the
+    // link's chunks with it.
     let slots = slots_for(chunk).max(cfg.slots);
-    let mut pending = Some(Pending::new(&cfg.host_id, slots, chunk, false)?);
+    let fit = Fit::World {
+        min_slots: cfg.slots,
+    };
+    let mut pending = Some(Pending::new(&cfg.host_id, slots, chunk, fit)?);
     let payload = pending.as_ref().map(Pending::payload).unwrap_or_default();
     let mut rings = None;
     let mut crowded = false;
@@ -79,9 +84,10 @@ pub fn connect_with(
         Box::new(tcp::TcpTransport::connect_with(cfg, &mut wrapped)?)
     };
     Ok(match rings {
-        Some(rings) if rings.peers() > 0 => {
-            if rings.chunk() != net.props().max_chunk {
-                // The rings were sized before the network was up; they must carry its chunks.
+        // Alone on its host, a rank still cuts its chunks as the rings do elsewhere.
+        Some(rings) if rings.peers() > 0 || rings.chunk() < net.props().max_chunk => {
+            if rings.chunk() > net.props().max_chunk {
+                // The rings were sized before the network was up; its posts must fit them.
                 let why = format!(
                     "shared-memory rings of {} B chunks beside a network of {} B chunks",
                     rings.chunk(),
@@ -94,6 +100,7 @@ pub fn connect_with(
             let pacer = pacer::for_setting(cfg.poll, cfg.timeout, crowded, SPIN, YIELD);
             let props = Props {
                 hosts: Some(rings.hosts().to_vec()),
+                max_chunk: rings.chunk(),
                 // A take on a ring frees the peer's slot at once: its next post may wait for it.
                 takes_return_credits: true,
                 ..net.props().clone()

@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::error::{Error, Peer, Result};
 use crate::transport::op::{OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
-use crate::transport::shm_slots::{Fault, Pending, Slots, CHUNK, SLOTS};
+use crate::transport::shm_slots::{Fault, Fit, Pending, Slots, CHUNK, SLOTS};
 use crate::transport::watch::Watch;
 use crate::transport::{Link, Medium, Props};
 use std::time::Duration;
@@ -37,7 +37,7 @@ impl ShmTransport {
         meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
-        let pending = Pending::new(&cfg.host_id, SLOTS, CHUNK, true)?;
+        let pending = Pending::new(&cfg.host_id, SLOTS, CHUNK, Fit::Host)?;
         let mut common = TAG_SHM.to_le_bytes().to_vec();
         common.extend_from_slice(&pending.payload());
         let card = Card {

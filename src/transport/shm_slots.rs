@@ -43,15 +43,16 @@ const MIN_CHUNK: usize = 4 << 10;
 const MIN_SLOTS: usize = 4;
 
 /// The geometry of the rings of a host of `peers` + 1 ranks, from `slots` x `chunk` bytes each:
-/// halved slots down to [`MIN_SLOTS`], then halved chunks down to [`MIN_CHUNK`], until they fit
-/// [`RING_BUDGET`] (up to 128 ranks a host; past it that floor). Every rank of a host computes
-/// the same from the same inputs.
-pub(crate) fn fit(slots: usize, chunk: usize, peers: usize) -> (usize, usize) {
+/// halved slots down to `min_slots` (at least [`MIN_SLOTS`]), then halved chunks down to
+/// [`MIN_CHUNK`], until they fit [`RING_BUDGET`] (up to 128 ranks a host; past it that floor).
+/// Every rank that computes it from the same inputs gets the same.
+pub(crate) fn fit(slots: usize, chunk: usize, peers: usize, min_slots: usize) -> (usize, usize) {
     let (mut s, mut c) = (slots, chunk);
+    let floor = min_slots.max(MIN_SLOTS).min(slots);
     let room = |s: usize, c: usize| (peers + 1) * (COUNTERS + s * (HEAD + c));
     while room(s, c) > RING_BUDGET {
-        if s > MIN_SLOTS {
-            s = (s / 2).max(MIN_SLOTS);
+        if s > floor {
+            s = (s / 2).max(floor);
         } else if c > MIN_CHUNK {
             c = (c / 2).max(MIN_CHUNK);
         } else {
@@ -205,27 +206,37 @@ struct PeerState {
     local: usize,
 }
 
+/// How the rings shrink where many ranks share a host ([`fit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fit {
+    /// Shared memory alone: by the ranks of this host.
+    Host,
+    /// Beside a network: by the ranks of the most crowded host, so that every rank of the world
+    /// cuts its chunks alike (the link's largest chunk becomes the rings'), keeping at least
+    /// this many slots (as many as a network peer has: fewer deadlocked a program whose sends
+    /// a network peer buffers).
+    World { min_slots: usize },
+}
+
 /// A segment created, its path to be sent in the card: the rings before the rendezvous.
 pub(crate) struct Pending {
     file: File,
     host: String,
     slots: usize,
     chunk: usize,
-    /// Whether the rings may shrink where many ranks share the host ([`fit`]): not beside a
-    /// network, whose chunk a ring must hold whole in as many slots as a network peer has.
-    shrink: bool,
+    fit: Fit,
 }
 
 impl Pending {
     /// Creates this rank's (empty) segment for rings of `slots` x `chunk` bytes on `host`
-    /// (fewer or smaller, where `shrink`, when many ranks share the host: see [`fit`]).
-    pub(crate) fn new(host: &str, slots: usize, chunk: usize, shrink: bool) -> Result<Pending> {
+    /// (fewer or smaller when many ranks share a host, as `fit` says: see [`fit`]).
+    pub(crate) fn new(host: &str, slots: usize, chunk: usize, fit: Fit) -> Result<Pending> {
         Ok(Pending {
             file: create_file()?,
             host: host.to_string(),
             slots,
             chunk,
-            shrink,
+            fit,
         })
     }
 
@@ -268,6 +279,15 @@ impl Pending {
                 names.push(host.clone());
                 names.len() - 1
             }));
+            // Beside a network every rank sizes its rings from the same inputs: alike everywhere.
+            let alike = host == self.host || matches!(self.fit, Fit::World { .. });
+            if alike && (slots, chunk) != (self.slots, self.chunk) {
+                return Err(Error::Config(format!(
+                    "rank {p} ({}) uses {slots} shared-memory slots of {chunk} bytes, rank {me} \
+                     {} of {}: every rank must run the same rdmacomm with the same settings",
+                    addrs[p], self.slots, self.chunk
+                )));
+            }
             if host != self.host {
                 if all_local {
                     return Err(Error::Config(format!(
@@ -278,23 +298,20 @@ impl Pending {
                 }
                 continue;
             }
-            if (slots, chunk) != (self.slots, self.chunk) {
-                return Err(Error::Config(format!(
-                    "rank {p} ({}) uses {slots} shared-memory slots of {chunk} bytes, rank {me} \
-                     {} of {}: every rank must run the same rdmacomm with the same settings",
-                    addrs[p], self.slots, self.chunk
-                )));
-            }
             if p != me {
                 paths[p] = Some(path);
             }
             locals.push(p);
         }
-        let peers = locals.len().saturating_sub(1);
-        let (slots, chunk) = if self.shrink {
-            fit(self.slots, self.chunk, peers)
-        } else {
-            (self.slots, self.chunk)
+        let (slots, chunk) = match self.fit {
+            Fit::Host => fit(self.slots, self.chunk, locals.len().saturating_sub(1), 0),
+            Fit::World { min_slots } => {
+                let crowd = (0..names.len())
+                    .map(|h| hosts.iter().filter(|&&x| x == h).count())
+                    .max()
+                    .unwrap_or(1);
+                fit(self.slots, self.chunk, crowd - 1, min_slots)
+            }
         };
         let ring = COUNTERS + slots * (HEAD + chunk);
         let len = locals.len() * ring;
@@ -560,10 +577,10 @@ mod tests {
         let ring = |(s, c): (usize, usize)| COUNTERS + s * (HEAD + c);
         // Up to 7 ranks on a host: the full geometry.
         for peers in 1..=6 {
-            assert_eq!(fit(SLOTS, CHUNK, peers), (SLOTS, CHUNK), "{peers} peers");
+            assert_eq!(fit(SLOTS, CHUNK, peers, 0), (SLOTS, CHUNK), "{peers} peers");
         }
         for ranks in [2usize, 8, 16, 32, 64, 128] {
-            let g = fit(SLOTS, CHUNK, ranks - 1);
+            let g = fit(SLOTS, CHUNK, ranks - 1, 0);
             let (s, c) = g;
             assert!(
                 s >= MIN_SLOTS && (MIN_CHUNK..=CHUNK).contains(&c),
@@ -582,7 +599,13 @@ mod tests {
             }
         }
         // Past 128 ranks, the floor.
-        assert_eq!(fit(SLOTS, CHUNK, 511), (MIN_SLOTS, MIN_CHUNK));
+        assert_eq!(fit(SLOTS, CHUNK, 511, 0), (MIN_SLOTS, MIN_CHUNK));
+        // Beside a network: never fewer slots than a network peer has (8 here), the chunk
+        // halving instead; and untouched while a host's rings fit.
+        assert_eq!(fit(8, 64 << 10, 3, 8), (8, 64 << 10));
+        let (s, c) = fit(8, 64 << 10, 63, 8);
+        assert_eq!(s, 8);
+        assert!(64 * ring((s, c)) <= RING_BUDGET && c < 64 << 10, "{c}");
     }
 
     #[test]

@@ -109,14 +109,15 @@ impl TcpTransport {
                 // Every rank dials the ranks below it (no two dial each other).
                 let deadline = Instant::now() + cfg.timeout;
                 let mut events = Vec::new();
-                for p in 0..cfg.rank {
-                    dialer.dial(p).map_err(failed)?;
-                }
                 while socks
                     .iter()
                     .enumerate()
                     .any(|(p, s)| s.is_none() && p != cfg.rank)
                 {
+                    // Again after a dial shed unanswered (a no-op while one is under way).
+                    for p in (0..cfg.rank).filter(|&p| socks[p].is_none()) {
+                        dialer.dial(p).map_err(failed)?;
+                    }
                     let moved = dialer.step(&mut events)?;
                     for e in events.drain(..) {
                         match e {
