@@ -226,8 +226,10 @@ mod tests {
             ("RDMACOMM_POLL", "spin"),
             ("RDMACOMM_SHM", "0"),
             ("RDMACOMM_IB_RETRY", "3"),
+            ("RDMACOMM_CONNECT", "eager"),
         ]);
         apply(&mut c, &get).unwrap();
+        assert_eq!(c.connect, Connect::Eager);
         assert_eq!(c.slots, 8);
         assert_eq!(c.slot_bytes, default_slot_bytes(2, 8), "follows the slots");
         assert_eq!(c.timeout, Duration::from_millis(2500));
@@ -241,6 +243,7 @@ mod tests {
             ("RDMACOMM_SHM", "yes", "1 or 0"),
             ("RDMACOMM_TIMEOUT", "0", "0.001 to 1e9"),
             ("RDMACOMM_SLOTS", "many", "number"),
+            ("RDMACOMM_CONNECT", "later", "on-demand or eager"),
         ] {
             let mut c = Config::defaults(0, 2, "127.0.0.1:1");
             match apply(&mut c, &table(&[(name, v)])) {
