@@ -35,6 +35,10 @@ const COUNTERS: usize = 128;
 /// shrinks ([`fit`]), so that a host's shared memory grows with its ranks, not their square
 /// (64 ranks: 256 MiB at most).
 pub const RING_BUDGET: usize = 4 << 20;
+/// Bytes of all the rings of a host beside a network ([`Fit::World`]): there the rings keep the
+/// network's chunk while a host can hold them (a few ranks a host: 8 MiB a rank with 1 MiB RDMA
+/// chunks) and shrink only where they would pass this, so that a host still holds at most this.
+pub const HOST_BUDGET: usize = 256 << 20;
 /// The smallest chunk [`fit`] shrinks a ring's slots to.
 const MIN_CHUNK: usize = 4 << 10;
 
@@ -44,13 +48,20 @@ const MIN_SLOTS: usize = 4;
 
 /// The geometry of the rings of a host of `peers` + 1 ranks, from `slots` x `chunk` bytes each:
 /// halved slots down to `min_slots` (at least [`MIN_SLOTS`]), then halved chunks down to
-/// [`MIN_CHUNK`], until they fit [`RING_BUDGET`] (up to 128 ranks a host; past it that floor).
-/// Every rank that computes it from the same inputs gets the same.
-pub(crate) fn fit(slots: usize, chunk: usize, peers: usize, min_slots: usize) -> (usize, usize) {
+/// [`MIN_CHUNK`], until a rank's segment fits `budget` ([`RING_BUDGET`] alone on a host: up to
+/// 128 ranks a host; past it that floor). Every rank that computes it from the same inputs gets
+/// the same.
+pub(crate) fn fit(
+    slots: usize,
+    chunk: usize,
+    peers: usize,
+    min_slots: usize,
+    budget: usize,
+) -> (usize, usize) {
     let (mut s, mut c) = (slots, chunk);
     let floor = min_slots.max(MIN_SLOTS).min(slots);
     let room = |s: usize, c: usize| (peers + 1) * (COUNTERS + s * (HEAD + c));
-    while room(s, c) > RING_BUDGET {
+    while room(s, c) > budget {
         if s > floor {
             s = (s / 2).max(floor);
         } else if c > MIN_CHUNK {
@@ -211,10 +222,10 @@ struct PeerState {
 pub(crate) enum Fit {
     /// Shared memory alone: by the ranks of this host.
     Host,
-    /// Beside a network: by the ranks of the most crowded host, so that every rank of the world
-    /// cuts its chunks alike (the link's largest chunk becomes the rings'), keeping at least
-    /// this many slots (as many as a network peer has: fewer deadlocked a program whose sends
-    /// a network peer buffers).
+    /// Beside a network: by the ranks of the most crowded host, within [`HOST_BUDGET`] a host,
+    /// so that every rank of the world cuts its chunks alike (the link's largest chunk becomes
+    /// the rings'), keeping at least this many slots (as many as a network peer has: fewer
+    /// deadlocked a program whose sends a network peer buffers).
     World { min_slots: usize },
 }
 
@@ -304,13 +315,20 @@ impl Pending {
             locals.push(p);
         }
         let (slots, chunk) = match self.fit {
-            Fit::Host => fit(self.slots, self.chunk, locals.len().saturating_sub(1), 0),
+            Fit::Host => fit(
+                self.slots,
+                self.chunk,
+                locals.len().saturating_sub(1),
+                0,
+                RING_BUDGET,
+            ),
             Fit::World { min_slots } => {
                 let crowd = (0..names.len())
                     .map(|h| hosts.iter().filter(|&&x| x == h).count())
                     .max()
                     .unwrap_or(1);
-                fit(self.slots, self.chunk, crowd - 1, min_slots)
+                let budget = HOST_BUDGET / crowd;
+                fit(self.slots, self.chunk, crowd - 1, min_slots, budget)
             }
         };
         let ring = COUNTERS + slots * (HEAD + chunk);
@@ -577,10 +595,14 @@ mod tests {
         let ring = |(s, c): (usize, usize)| COUNTERS + s * (HEAD + c);
         // Up to 7 ranks on a host: the full geometry.
         for peers in 1..=6 {
-            assert_eq!(fit(SLOTS, CHUNK, peers, 0), (SLOTS, CHUNK), "{peers} peers");
+            assert_eq!(
+                fit(SLOTS, CHUNK, peers, 0, RING_BUDGET),
+                (SLOTS, CHUNK),
+                "{peers} peers"
+            );
         }
         for ranks in [2usize, 8, 16, 32, 64, 128] {
-            let g = fit(SLOTS, CHUNK, ranks - 1, 0);
+            let g = fit(SLOTS, CHUNK, ranks - 1, 0, RING_BUDGET);
             let (s, c) = g;
             assert!(
                 s >= MIN_SLOTS && (MIN_CHUNK..=CHUNK).contains(&c),
@@ -599,13 +621,17 @@ mod tests {
             }
         }
         // Past 128 ranks, the floor.
-        assert_eq!(fit(SLOTS, CHUNK, 511, 0), (MIN_SLOTS, MIN_CHUNK));
-        // Beside a network: never fewer slots than a network peer has (8 here), the chunk
-        // halving instead; and untouched while a host's rings fit.
-        assert_eq!(fit(8, 64 << 10, 3, 8), (8, 64 << 10));
-        let (s, c) = fit(8, 64 << 10, 63, 8);
+        assert_eq!(
+            fit(SLOTS, CHUNK, 511, 0, RING_BUDGET),
+            (MIN_SLOTS, MIN_CHUNK)
+        );
+        // Beside a network: untouched while the host holds its rings (two ranks with 1 MiB
+        // RDMA chunks: 8 MiB each); never fewer slots than a network peer has (8 here), the
+        // chunk halving instead, the host within its budget.
+        assert_eq!(fit(4, 1 << 20, 1, 4, HOST_BUDGET / 2), (4, 1 << 20));
+        let (s, c) = fit(8, 64 << 10, 63, 8, HOST_BUDGET / 64);
         assert_eq!(s, 8);
-        assert!(64 * ring((s, c)) <= RING_BUDGET && c < 64 << 10, "{c}");
+        assert!(64 * 64 * ring((s, c)) <= HOST_BUDGET && c < 64 << 10, "{c}");
     }
 
     #[test]
