@@ -102,20 +102,10 @@ fn run_on(
             let out = &x.output;
             assert!(out.contains("CHECKED"), "rank {}: {out}", x.rank);
             let held = |line: &str| -> Held {
-                let held = line.split("holds ").nth(1).expect("holds");
-                let num = |what: &str| -> f64 {
-                    let at = held.find(what).expect(what);
-                    held[..at]
-                        .split_whitespace()
-                        .last()
-                        .unwrap()
-                        .parse()
-                        .unwrap()
-                };
                 (
-                    num(" MiB shared"),
-                    num(" MiB pinned"),
-                    num(" connections") as usize,
+                    held(line, " MiB shared"),
+                    held(line, " MiB pinned"),
+                    held(line, " connections") as usize,
                 )
             };
             let line = |what: &str| out.lines().find(|l| l.contains(what)).expect(what);

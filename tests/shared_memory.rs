@@ -322,18 +322,15 @@ fn sixteen_ranks_share_memory_within_the_bound() {
     for (r, out) in outs.iter().map(|x| &x.output).enumerate() {
         assert!(out.contains("CHECKED"), "rank {r}: {out}");
         // The transport's own accounting, in its summary, says the same.
-        let held = out.split("holds ").nth(1).expect("the summary");
-        let mib = |what: &str| -> f64 {
-            let at = held.find(what).expect(what);
-            held[..at]
-                .split_whitespace()
-                .last()
-                .unwrap()
-                .parse()
-                .unwrap()
-        };
-        assert!(mib(" MiB shared") <= 4.0, "rank {r}: {held}");
-        assert!(mib(" MiB of peers'") <= 15.0 * 4.0, "rank {r}: {held}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("holds "))
+            .expect("the summary");
+        assert!(held(line, " MiB shared") <= 4.0, "rank {r}: {line}");
+        assert!(
+            held(line, " MiB of peers'") <= 15.0 * 4.0,
+            "rank {r}: {line}"
+        );
         let seg = out.split("SEGMENTS ").nth(1).expect("its segments");
         let mut w = seg.split_whitespace();
         let count: usize = w.next().and_then(|c| c.parse().ok()).expect("a count");

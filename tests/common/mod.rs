@@ -431,3 +431,18 @@ pub fn tagged<'a>(out: &'a str, tag: &str) -> Vec<&'a str> {
         .filter_map(|l| l.find(tag).map(|i| &l[i..]))
         .collect()
 }
+
+/// The figure just before `what` after "holds " in `line` (a rank's `info` accounting: "holds
+/// 0.0 MiB pinned, 3.9 MiB shared ... 7 connections").
+#[allow(dead_code)]
+pub fn held(line: &str, what: &str) -> f64 {
+    let held = line.split("holds ").nth(1).expect("a holds figure");
+    let at = held
+        .find(what)
+        .unwrap_or_else(|| panic!("{what} in {held}"));
+    held[..at]
+        .split_whitespace()
+        .last()
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("a number before {what} in {held}"))
+}

@@ -226,25 +226,16 @@ impl Dialer {
         }
     }
 
-    /// Moves the dial to `p`; false if nothing moved.
-    fn advance(&mut self, p: usize, events: &mut Vec<Event>) -> bool {
+    /// Moves the dial to `p` as far as it goes now (what came of it goes to `events`).
+    fn advance(&mut self, p: usize, events: &mut Vec<Event>) {
         let sa = self.addrs[p];
         let failed = |e: String| Event::Failed(p, format!("its data connection at {sa}: {e}"));
         match self.out[p].take() {
-            None => false,
-            Some(Outgoing::Declined) => {
-                self.out[p] = Some(Outgoing::Declined);
-                false
-            }
+            None => {}
+            Some(Outgoing::Declined) => self.out[p] = Some(Outgoing::Declined),
             Some(Outgoing::Connecting(s)) => match s.take_error() {
-                Ok(Some(e)) | Err(e) => {
-                    events.push(failed(format!("cannot connect: {e}")));
-                    true
-                }
-                Ok(None) if s.peer_addr().is_err() => {
-                    self.out[p] = Some(Outgoing::Connecting(s));
-                    false
-                }
+                Ok(Some(e)) | Err(e) => events.push(failed(format!("cannot connect: {e}"))),
+                Ok(None) if s.peer_addr().is_err() => self.out[p] = Some(Outgoing::Connecting(s)),
                 Ok(None) => {
                     let sock: TcpStream = s.into();
                     self.out[p] = Some(Outgoing::Proving {
@@ -253,7 +244,6 @@ impl Dialer {
                         got: Vec::with_capacity(ANSWER),
                     });
                     self.advance(p, events);
-                    true
                 }
             },
             Some(Outgoing::Proving {
@@ -264,18 +254,14 @@ impl Dialer {
                 let mut hello = [0u8; HELLO];
                 hello[..4].copy_from_slice(&(self.me as u32).to_le_bytes());
                 hello[4..].copy_from_slice(&proof(&self.session, self.me, p));
-                let mut moved = false;
                 while sent < HELLO {
                     match sock.write(&hello[sent..]) {
-                        Ok(k) => {
-                            sent += k;
-                            moved = true;
-                        }
+                        Ok(k) => sent += k,
                         Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == ErrorKind::Interrupted => {}
                         Err(e) => {
                             events.push(failed(format!("cannot send its hello: {e}")));
-                            return true;
+                            return;
                         }
                     }
                 }
@@ -286,14 +272,11 @@ impl Dialer {
                         // dialed again at the next post or take. No progress: a peer that only
                         // ever closes is named at the wait's deadline. A peer gone refuses the
                         // next dial, which fails naming it.
-                        Ok(0) => return false,
-                        Ok(k) => {
-                            got.extend_from_slice(&buf[..k]);
-                            moved = true;
-                        }
+                        Ok(0) => return,
+                        Ok(k) => got.extend_from_slice(&buf[..k]),
                         Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                        Err(_) => return false,
+                        Err(_) => return,
                     }
                 }
                 if got.len() < ANSWER {
@@ -310,7 +293,6 @@ impl Dialer {
                 } else {
                     self.out[p] = Some(Outgoing::Declined);
                 }
-                moved
             }
         }
     }

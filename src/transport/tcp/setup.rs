@@ -4,9 +4,10 @@
 use super::*;
 
 impl TcpTransport {
-    /// Meets every rank through `meet` (which exchanges cards and returns the side channel: the
-    /// bootstrap, or a parent communicator for `split`) and connects a TCP mesh (rank j connects
-    /// to every rank i < j). Every rank of `cfg.world_size` must call this.
+    /// Listens, meets every rank through `meet` (which exchanges cards and returns the side
+    /// channel: the bootstrap, or a parent communicator for `split`), and, with
+    /// `RDMACOMM_CONNECT=eager`, connects to every rank (rank j dials every rank i < j); else
+    /// each connection is made at its first use. Every rank of `cfg.world_size` must call this.
     pub fn connect_with(
         cfg: &Config,
         meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
