@@ -20,16 +20,34 @@ pub(crate) struct Wait {
 /// Waits up to `ms` milliseconds (at least 1) until one of `fds` is ready (`scratch` holds the
 /// kernel's array between calls, so a repeated wait allocates nothing).
 pub(crate) fn wait(fds: impl IntoIterator<Item = Wait>, ms: u64, scratch: &mut Vec<libc::pollfd>) {
+    wait_for(fds, std::time::Duration::from_millis(ms.max(1)), scratch);
+}
+
+/// [`wait`] for up to `limit` (at microsecond grain: a nap between a completion's polls).
+pub(crate) fn wait_for(
+    fds: impl IntoIterator<Item = Wait>,
+    limit: std::time::Duration,
+    scratch: &mut Vec<libc::pollfd>,
+) {
     scratch.clear();
     scratch.extend(fds.into_iter().map(|w| libc::pollfd {
         fd: w.fd,
         events: if w.read { libc::POLLIN } else { 0 } | if w.write { libc::POLLOUT } else { 0 },
         revents: 0,
     }));
-    let ms = ms.clamp(1, i32::MAX as u64) as i32;
-    // SAFETY: `scratch` is a valid, exclusively borrowed array of `scratch.len()` pollfd
-    // entries for the whole call; a closed descriptor only sets POLLNVAL.
-    unsafe { libc::poll(scratch.as_mut_ptr(), scratch.len() as libc::nfds_t, ms) };
+    let ts = libc::timespec {
+        tv_sec: limit.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: limit.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: as in `wait`; `ts` is a valid timeout and no signal mask is given.
+    unsafe {
+        libc::ppoll(
+            scratch.as_mut_ptr(),
+            scratch.len() as libc::nfds_t,
+            &ts,
+            std::ptr::null(),
+        )
+    };
 }
 
 /// `N` random bytes from the kernel (getrandom, which blocks only until the pool is first

@@ -12,6 +12,13 @@ pub mod rendezvous {
     pub use crate::bootstrap::rendezvous::{rendezvous, rendezvous_on, Card, Rendezvous};
 }
 
+/// The data connections a rank makes at first use, and what RDMA exchanges over them: a
+/// queue pair's INFO (endpoint, block address and key), then READY once it is connected.
+pub mod connect {
+    pub use crate::transport::dial::connect_to;
+    pub use crate::transport::rdma::{info, INFO, READY};
+}
+
 /// The reduction kernels and their reference.
 pub mod reduce {
     pub use crate::reduce::{choose_simd, reduce_into, reference, simd_level, SimdLevel};

@@ -413,3 +413,42 @@ fn pin_list_is_followed_per_local_rank() {
         check_pinned("pin_list_is_followed_per_local_rank", pin);
     }
 }
+
+/// Cards with a part for each rank (the `Card` shape the rendezvous still takes, though the
+/// transports' cards have none): each rank gets every card's common part and its own entry, not
+/// another rank's (rank 0 then sends each rank a table of its own).
+#[test]
+fn a_card_with_an_entry_per_rank_gives_each_rank_its_own() {
+    use rdmacomm::unstable::rendezvous::{rendezvous, rendezvous_on, Card};
+    let n = 3;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let coord = l.local_addr().unwrap().to_string();
+    let card = |r: usize| Card {
+        common: vec![0xc0 + r as u8; 3],
+        entry: 2,
+        each: (0..n).flat_map(|q| [r as u8, q as u8]).collect(),
+    };
+    let mut l = Some(l);
+    let ranks: Vec<_> = (0..n)
+        .map(|r| {
+            let (c, at, l) = (card(r), coord.clone(), l.take());
+            std::thread::spawn(move || {
+                // Not from the environment: other tests of this binary set variables meanwhile.
+                let cfg = Config::defaults(r, n, at);
+                let rv = match l {
+                    Some(l) => rendezvous_on(&cfg, &c, Some(l)),
+                    None => rendezvous(&cfg, &c),
+                };
+                rv.unwrap_or_else(|e| panic!("rank {r}: {e}")).cards
+            })
+        })
+        .collect();
+    for (r, h) in ranks.into_iter().enumerate() {
+        let cards = h.join().unwrap();
+        for (q, got) in cards.iter().enumerate() {
+            let mut want = vec![0xc0 + q as u8; 3];
+            want.extend_from_slice(&[q as u8, r as u8]);
+            assert_eq!(got, &want, "rank {r}: rank {q}'s card");
+        }
+    }
+}

@@ -1,15 +1,19 @@
 //! A peer that writes where it may not, over RDMA: rank 1 is a raw-verbs process that joins the
-//! rendezvous with a card of the right shape and then writes (a) past a receive slot of its own
-//! block, or (b) outside its block, into memory that is some other rank's or nobody's to write.
+//! rendezvous with a card of the right shape, connects its queue pair as a rank does, and then
+//! writes (a) past a receive slot of its own block, or (b) outside its block, into memory that
+//! is nobody's to write.
 //! Rank 0 must fail naming rank 1, never compute with the bytes; the device must refuse (b).
 
 mod common;
 use common::*;
+use rdmacomm::unstable::connect;
 use rdmacomm::unstable::rendezvous::{rendezvous, Card};
 use rdmacomm::unstable::verbs::{
     self, CompletionQueue, Endpoint, RcQueuePair, RegisteredBuffer, RetryPolicy, Sge,
 };
 use rdmacomm::{Comm, Communicator, Config};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
 /// "RDMA", the tag an RDMA card starts with.
@@ -29,8 +33,9 @@ fn victim() {
     }
 }
 
-/// Rank 1: joins with a hand-made card, connects a queue pair to rank 0, then writes what
-/// `RXE_TEST_ATTACK` says and prints the write's completion status.
+/// Rank 1: joins with a hand-made card, connects a queue pair to rank 0 over rank 0's data
+/// connection (INFO both ways, then READY), then writes what `RXE_TEST_ATTACK` says and prints
+/// the write's completion status.
 fn attacker() {
     let cfg = Config::from_env().unwrap();
     let (ctx, sel) = verbs::open(&cfg.device).unwrap();
@@ -38,40 +43,54 @@ fn attacker() {
     let buf = RegisteredBuffer::new(&pd, PRE + cfg.slot_bytes + 4096).unwrap();
     let mut cq = CompletionQueue::new(&ctx, 16).unwrap();
     let mut qp = RcQueuePair::new(&pd, &cq, &sel, 8, 8).unwrap();
+    // Where rank 0 may dial us: the coordinator's host.
+    let host = cfg.coordinator.rsplit_once(':').unwrap().0.to_string();
+    let listener = TcpListener::bind((host.as_str(), 0)).unwrap();
+    let me = listener.local_addr().unwrap().to_string();
+    // An RDMA card: tag, slots, slot bytes, how it connects, its data address.
     let mut common = TAG_RDMA.to_le_bytes().to_vec();
     common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
     common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
-    common.extend_from_slice(&buf.addr().to_le_bytes());
-    let mut each = Endpoint::default().to_bytes().to_vec();
-    each.extend_from_slice(&buf.rkey().to_le_bytes()); // for rank 0
-    each.extend_from_slice(&Endpoint::default().to_bytes());
-    each.extend_from_slice(&0u32.to_le_bytes()); // for ourselves
-    each[..Endpoint::BYTES].copy_from_slice(&qp.endpoint().to_bytes());
+    common.extend_from_slice(&(cfg.connect as u32).to_le_bytes());
+    common.extend_from_slice(&(me.len() as u32).to_le_bytes());
+    common.extend_from_slice(me.as_bytes());
     let card = Card {
         common,
-        entry: Endpoint::BYTES + 4,
-        each,
+        entry: 0,
+        each: Vec::new(),
     };
     let mut rv = rendezvous(&cfg, &card).unwrap();
-    // Rank 0's card: tag, slots, slot bytes, buffer address; then its endpoint and our key.
-    let c0 = &rv.cards[0];
-    let addr = u64::from_le_bytes(c0[12..20].try_into().unwrap());
-    let theirs = Endpoint::from_bytes(&c0[20..]).unwrap();
-    let rkey = u32::from_le_bytes(
-        c0[20 + Endpoint::BYTES..24 + Endpoint::BYTES]
-            .try_into()
-            .unwrap(),
-    );
-    qp.connect(&theirs, RetryPolicy::default()).unwrap();
     rv.side.barrier().unwrap();
-    // Rank 0's layout: a block per rank (slots, a credit line, mailboxes); ours is block 1.
+    let addr_of = |c: &[u8]| {
+        let len = u32::from_le_bytes(c[16..20].try_into().unwrap()) as usize;
+        let text = std::str::from_utf8(&c[20..20 + len]).unwrap();
+        text.parse::<SocketAddr>().unwrap()
+    };
+    let addrs = vec![addr_of(&rv.cards[0]), addr_of(&rv.cards[1])];
+    let mut sock =
+        connect::connect_to(1, listener, addrs, rv.session, 0, Duration::from_secs(20)).unwrap();
+    sock.write_all(&connect::info(&qp.endpoint(), buf.addr(), buf.rkey()))
+        .unwrap();
+    // Rank 0's INFO: its endpoint, then the address and key of its block for us.
+    let mut theirs = [0u8; connect::INFO];
+    sock.read_exact(&mut theirs).unwrap();
+    let endpoint = Endpoint::from_bytes(&theirs[..Endpoint::BYTES]).unwrap();
+    let at = Endpoint::BYTES;
+    let addr = u64::from_le_bytes(theirs[at..at + 8].try_into().unwrap());
+    let rkey = u32::from_le_bytes(theirs[at + 8..at + 12].try_into().unwrap());
+    qp.connect(&endpoint, RetryPolicy::default()).unwrap();
+    sock.write_all(&[connect::READY]).unwrap();
+    let mut ready = [0u8; 1];
+    sock.read_exact(&mut ready).unwrap();
+    // Rank 0's buffer for us: our block (slots, a credit line, mailboxes), then its own send
+    // slots to us, which no peer may write.
     let block = cfg.slots * (PRE + cfg.slot_bytes) + 64 + cfg.slots * ENTRY;
     let attack = std::env::var("RXE_TEST_ATTACK").unwrap();
     let (remote, len, imm) = match attack.as_str() {
         // Slot 0 of our block and on into slot 1: longer than a chunk may be.
-        "past_a_slot" => (addr + block as u64, PRE + cfg.slot_bytes + 64, Some(0)),
-        // Rank 0's own block, which no peer may write (before: one key for the whole buffer).
-        "outside_the_block" => (addr + 64, 4096, None),
+        "past_a_slot" => (addr, PRE + cfg.slot_bytes + 64, Some(0)),
+        // Past our block, into rank 0's send slots (before: one key for the whole buffer).
+        "outside_the_block" => (addr + block as u64, 4096, None),
         a => panic!("unknown attack {a}"),
     };
     let sge = Sge {

@@ -84,11 +84,12 @@ fn soak_body() {
         check_all_reduce(DType::i64, AllReduce::Sum, n, &d).unwrap();
         rendezvous = next_rendezvous(&c);
         if i == 0 && c.device().is_some_and(|d| d.starts_with("RDMA")) {
-            // The counting sees live objects (so a leak would show).
+            // The counting sees live objects (so a leak would show): the queue pairs the
+            // all_reduce and broadcast connected (on demand: not every peer's).
             let count = rdma_objects("qp");
             assert!(
-                count >= n - 1,
-                "counted {count} of our {} QPs in `rdma resource show qp`",
+                (1..n).contains(&count),
+                "counted {count} of our QPs in `rdma resource show qp`, for {} peers",
                 n - 1
             );
             assert!(rdma_objects("mr") >= 1);

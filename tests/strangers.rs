@@ -563,14 +563,16 @@ fn a_joiner_that_stops_reading_is_named_within_the_deadline() {
         c.timeout = TIMEOUT;
         c
     };
-    let big = Card {
-        common: vec![0xab; 80_000],
+    // Each rank's its own bytes: the table's front coding saves only what a card shares with
+    // the one before.
+    let big = |r: usize| Card {
+        common: vec![r as u8; 80_000],
         entry: 0,
         each: Vec::new(),
     };
     let t0 = Instant::now();
     let rank0 = std::thread::spawn({
-        let (c, big) = (cfg(0, &coord), big.clone());
+        let (c, big) = (cfg(0, &coord), big(0));
         move || rdmacomm::unstable::rendezvous::rendezvous_on(&c, &big, Some(l)).map(|_| ())
     });
     let relay = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -596,10 +598,11 @@ fn a_joiner_that_stops_reading_is_named_within_the_deadline() {
     });
     let mut others = Vec::new();
     for r in 1..n {
-        let (c, big) = (cfg(r, if r == 1 { &relay_at } else { &coord }), big.clone());
+        let (c, big) = (cfg(r, if r == 1 { &relay_at } else { &coord }), big(r));
+        // A rank whose table came goes on to its set-up barrier, which must fail.
         others.push(std::thread::spawn(move || {
             rendezvous(&c, &big)
-                .map(|_| ())
+                .and_then(|mut rv| rv.side.barrier())
                 .err()
                 .map(|e| e.to_string())
         }));
@@ -615,12 +618,13 @@ fn a_joiner_that_stops_reading_is_named_within_the_deadline() {
         took < TIMEOUT + Duration::from_secs(4),
         "rank 0 gave up after {took:?}"
     );
+    // Every other rank fails too: those that took their table told why (rank 1), at once.
+    let mut told = 0;
     for o in others {
-        assert!(
-            o.join().unwrap().is_some(),
-            "no rank completes without rank 0"
-        );
+        let e = o.join().unwrap().expect("no rank completes without rank 0");
+        told += e.contains("stopped reading") as usize;
     }
+    assert_eq!(told, n - 2, "every rank but rank 1 is told why");
     relay_thread.join().unwrap();
     println!("rank 0 named the joiner that stopped reading after {took:?}: {e}");
 }

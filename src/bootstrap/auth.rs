@@ -23,6 +23,12 @@ pub fn mac_ok(key: &[u8], parts: &[&[u8]], tag: &[u8]) -> bool {
     m.verify_slice(tag).is_ok()
 }
 
+/// SHA-256 of `bytes` (what a MAC covers in place of a long message).
+pub fn digest(bytes: &[u8]) -> [u8; KEY] {
+    use sha2::Digest;
+    Sha256::digest(bytes).into()
+}
+
 /// `N` random bytes from the kernel.
 pub fn random<const N: usize>() -> [u8; N] {
     crate::sys::random()

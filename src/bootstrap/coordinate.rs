@@ -3,9 +3,10 @@
 //! once every rank is in sends each its table.
 
 use super::admission::{Admission, Verdict};
-use super::auth::{mac, mac_ok, random, KEY};
+use super::auth::{digest, mac, mac_ok, random, KEY};
 use super::hello::{decode_card, decode_hello, Card, Hello};
 use super::outcome::{resolve, Rendezvous};
+use super::table;
 use super::wire::*;
 use super::SideChannel;
 use crate::config::Config;
@@ -378,30 +379,74 @@ pub(super) fn coordinate(
     let cards: Vec<Vec<u8>> = (0..n)
         .map(|q| full[q].for_rank(0).ok_or_else(|| no_entry(q, 0)))
         .collect::<Result<_>>()?;
-    let mut streams: Vec<Option<TcpStream>> = vec![None];
     let (tables_from, mut table_bytes) = (Instant::now(), 0);
-    for (i, (sock, nonce)) in socks.into_iter().enumerate() {
-        let r = i + 1;
-        let mut table = Vec::new();
-        table.extend_from_slice(&session);
-        for q in 0..n {
-            put_bytes(&mut table, addrs[q].as_bytes());
-            let entry = full[q].for_rank(r).ok_or_else(|| no_entry(q, r))?;
-            put_bytes(&mut table, &entry);
+    // One table for all where no card has a per-rank entry (every transport's); else one each.
+    let shared = full.iter().all(|c| c.entry == 0);
+    let table_for = |r: usize| -> Result<Vec<u8>> {
+        let rows = (0..n)
+            .map(|q| {
+                Ok((
+                    addrs[q].as_bytes(),
+                    full[q].for_rank(r).ok_or_else(|| no_entry(q, r))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(table::encode(&session, rows.into_iter()))
+    };
+    let tables: Vec<Vec<u8>> = if shared {
+        vec![table_for(0)?]
+    } else {
+        (1..n).map(table_for).collect::<Result<_>>()?
+    };
+    let digests: Vec<[u8; KEY]> = match secret {
+        Some(_) => tables.iter().map(|t| digest(t)).collect(),
+        None => Vec::new(),
+    };
+    let mut outs: Vec<table::Out> = socks
+        .iter()
+        .enumerate()
+        .map(|(i, (sock, nonce))| {
+            let k = if shared { 0 } else { i };
+            let tag = secret.map_or([0; KEY], |s| mac(s, &[nonce, &digests[k]]));
+            table_bytes += tables[k].len();
+            table::Out::new(sock, TABLE, &tables[k], tag)
+        })
+        .collect();
+    // A joiner that stops reading cannot hold rank 0 past its deadline, nor the others up.
+    let by = deadline.max(Instant::now() + Duration::from_secs(1));
+    if let Err((i, e)) = table::send_all(&mut outs, by) {
+        let reason = format!("sending its table: {e} (it stopped reading?)");
+        // Ranks that took their table are on to their set-up barrier: told what ended it.
+        let mut body = ((i + 1) as u32).to_le_bytes().to_vec();
+        put_bytes(
+            &mut body,
+            format!("rank 0 stopped the rendezvous: {reason}").as_bytes(),
+        );
+        // A frame half-written cannot take another after it: that joiner sees its end.
+        for o in outs
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, o)| o)
+        {
+            if o.done() {
+                let _ = o.sock.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = send_frame(o.sock, ABORT, &body);
+            } else {
+                let _ = o.sock.shutdown(std::net::Shutdown::Both);
+            }
         }
-        let tag = secret.map_or([0; KEY], |k| mac(k, &[&nonce, &table]));
-        table.extend_from_slice(&tag);
-        table_bytes += table.len();
-        sock.set_nonblocking(false)?;
-        // A joiner that stops reading cannot hold rank 0 past its deadline.
-        let by = deadline.max(Instant::now() + Duration::from_secs(1));
-        send_frame_by(&sock, TABLE, &table, by).map_err(|e| Error::PeerFailed {
+        return Err(Error::PeerFailed {
             peer: crate::Peer {
-                rank: r,
-                addr: addrs[r].clone(),
+                rank: i + 1,
+                addr: addrs[i + 1].clone(),
             },
-            reason: format!("sending its table: {e} (it stopped reading?)"),
-        })?;
+            reason,
+        });
+    }
+    drop(outs);
+    let mut streams: Vec<Option<TcpStream>> = vec![None];
+    for (sock, _) in socks {
         sock.set_write_timeout(None)?;
         streams.push(Some(sock));
     }

@@ -1,9 +1,10 @@
 //! A non-zero rank's side of the rendezvous: reach rank 0, answer its challenge with a HELLO,
 //! (with a secret) check its proof before sending the card, and take the table.
 
-use super::auth::{mac, mac_ok, random, KEY};
+use super::auth::{digest, mac, mac_ok, random, KEY};
 use super::hello::{encode_card, encode_hello, Card};
 use super::outcome::{resolve, Rendezvous};
+use super::table;
 use super::wire::*;
 use super::SideChannel;
 use crate::config::Config;
@@ -154,21 +155,14 @@ pub(super) fn join(
     }
     let (table, tag) = body.split_at(body.len() - KEY);
     if let Some(k) = secret {
-        if !mac_ok(k, &[&nonce, table], tag) {
+        if !mac_ok(k, &[&nonce, &digest(table)], tag) {
             return Err(Error::Bootstrap(format!(
                 "rank {}: the coordinator at {sa} failed authentication (RDMACOMM_SECRET differs?)",
                 cfg.rank
             )));
         }
     }
-    let mut r = Reader(table);
-    let session: [u8; KEY] = r.take(KEY)?.try_into().expect("KEY bytes");
-    let mut cards = Vec::with_capacity(cfg.world_size);
-    let mut addrs = Vec::with_capacity(cfg.world_size);
-    for _ in 0..cfg.world_size {
-        addrs.push(String::from_utf8_lossy(r.bytes()?).into_owned());
-        cards.push(r.bytes()?.to_vec());
-    }
+    let (session, addrs, cards) = table::decode(table, cfg.world_size)?;
     let mut streams: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
     s.set_write_timeout(None)?;
     streams[0] = Some(s);

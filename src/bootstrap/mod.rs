@@ -1,7 +1,8 @@
 //! The bootstrap: how the ranks of a communicator meet and how they tell each other of
 //! failures, below the transports (which move the data). Who is rank 0 and where it listens
 //! (`discover.rs`, with `pmix.rs` for launchers that run a PMIx server); the rendezvous there,
-//! which checks every joiner and hands out the transports' cards (`rendezvous.rs`); its wire
+//! which checks every joiner and hands out the transports' cards (`rendezvous.rs`, the table in
+//! `table.rs`); its wire
 //! (length-prefixed frames over TCP, `wire.rs`); the side channel those connections become, kept
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
 //! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`). It reads the configuration and nothing above it.
@@ -18,6 +19,7 @@ mod relay;
 pub mod rendezvous;
 mod side_channel;
 mod stalls;
+mod table;
 mod wire;
 
 pub use side_channel::{Probe, SideChannel};

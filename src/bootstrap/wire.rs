@@ -38,8 +38,10 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// it; per-rank tables with a session key; operation descriptors on the data path; a key per
 /// peer over RDMA), checked at the rendezvous so that mixed builds fail with a
 /// clear error instead of misreading each other; 6: a probe says which ways its operation goes,
-/// and the side channel's frame kinds differ from the rendezvous').
-pub(crate) const VERSION: u16 = 6;
+/// and the side channel's frame kinds differ from the rendezvous'); 7: one front-coded table for
+/// every rank, its MAC over its digest, and cards without per-rank entries (RDMA's queue pairs
+/// are set up over the data connection).
+pub(crate) const VERSION: u16 = 7;
 // Every frame kind of the bootstrap's connection, rendezvous and side channel alike (one
 // connection becomes the other): each number once (`every_kind_is_its_own`).
 pub(crate) const HELLO: u8 = 1;
@@ -106,39 +108,6 @@ pub(crate) fn send_frame(mut s: &TcpStream, kind: u8, body: &[u8]) -> std::io::R
     f.push(kind);
     f.extend_from_slice(body);
     s.write_all(&f)
-}
-
-/// [`send_frame`] by `deadline` at the latest (a socket's write timeout bounds each write call,
-/// not the frame: a reader taking a few bytes at a time could stretch it without end).
-pub(crate) fn send_frame_by(
-    mut s: &TcpStream,
-    kind: u8,
-    body: &[u8],
-    deadline: Instant,
-) -> std::io::Result<()> {
-    let mut f = Vec::with_capacity(body.len() + 5);
-    f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
-    f.push(kind);
-    f.extend_from_slice(body);
-    let mut at = 0;
-    while at < f.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                ErrorKind::TimedOut,
-                format!("{} of {} bytes written by the deadline", at, f.len()),
-            ));
-        }
-        s.set_write_timeout(Some(left))?;
-        match s.write(&f[at..]) {
-            Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(k) => at += k,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// How long a side-channel frame may wait for room in a non-blocking socket.

@@ -81,7 +81,7 @@ impl Poll {
     }
 }
 
-/// When a rank connects to its peers over TCP (`RDMACOMM_CONNECT`).
+/// When a rank connects to its peers over TCP or RDMA (`RDMACOMM_CONNECT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 pub enum Connect {

@@ -3,6 +3,7 @@
 //! (isend/irecv/test) and Gloo's transport pairs are kept apart from algorithms.
 
 mod descriptors;
+pub mod dial;
 pub mod hybrid;
 pub mod mailbox;
 mod numbering;

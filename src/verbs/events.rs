@@ -14,8 +14,8 @@ pub enum AsyncEvent {
     PortActive(u8),
     /// A queue pair hit a fatal error (its number).
     QpFatal(u32),
-    /// A completion queue overran or failed.
-    CqError,
+    /// A completion queue overran or failed (its address, [`crate::verbs::CompletionQueue::id`]).
+    CqError(usize),
     /// The device failed.
     DeviceFatal,
     /// Anything else (the `ibv_event_type` number).
@@ -29,7 +29,7 @@ impl AsyncEvent {
             self,
             AsyncEvent::PortError(_)
                 | AsyncEvent::QpFatal(_)
-                | AsyncEvent::CqError
+                | AsyncEvent::CqError(_)
                 | AsyncEvent::DeviceFatal
         )
     }
@@ -77,7 +77,7 @@ impl AsyncEvents {
             // SAFETY: the union member read matches the event type (libibverbs' contract).
             let e = unsafe {
                 match kind {
-                    0 => AsyncEvent::CqError,
+                    0 => AsyncEvent::CqError(ev.element.cq as usize),
                     1..=3 => AsyncEvent::QpFatal(if ev.element.qp.is_null() {
                         0
                     } else {

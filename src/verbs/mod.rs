@@ -8,11 +8,15 @@ pub mod device;
 pub mod events;
 pub mod memory;
 pub mod queue;
+pub mod registry;
 
 pub(crate) use device::mtu_bytes;
 #[cfg_attr(not(feature = "unstable"), allow(unused_imports))]
 pub use device::{list_ports, open, DeviceChoice, HcaList, PortInfo, Selected};
-pub use events::{AsyncEvent, AsyncEvents};
+pub use events::AsyncEvent;
+#[cfg_attr(not(feature = "unstable"), allow(unused_imports))]
+pub use events::AsyncEvents;
 pub use memory::{LentRegion, RegisteredBuffer};
 #[cfg_attr(not(feature = "unstable"), allow(unused_imports))]
 pub use queue::{status_str, Completion, CompletionQueue, Endpoint, RcQueuePair, RetryPolicy, Sge};
+pub use registry::Device;

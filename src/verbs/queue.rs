@@ -4,8 +4,8 @@ use crate::error::{Error, Result};
 use crate::verbs::device::Selected;
 use rdma_mummy_sys::{
     ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_poll_cq, ibv_post_recv, ibv_post_send,
-    ibv_recv_wr, ibv_req_notify_cq, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode,
-    rdma_t,
+    ibv_recv_wr, ibv_req_notify_cq, ibv_resize_cq, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc,
+    ibv_wr_opcode, rdma_t,
 };
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
@@ -42,6 +42,8 @@ pub struct CompletionQueue {
     channel: Option<Arc<CompletionChannel>>,
     /// An event was asked for and has not come.
     armed: bool,
+    /// Completions it has room for, at least.
+    depth: u32,
 }
 
 impl CompletionQueue {
@@ -70,7 +72,47 @@ impl CompletionQueue {
             wcs,
             channel,
             armed: false,
+            depth,
         })
+    }
+
+    /// Makes room for at least `depth` completions, resizing the CQ where it has less (its
+    /// completions and queue pairs stay).
+    pub fn reserve(&mut self, depth: u32) -> Result<()> {
+        if depth <= self.depth {
+            return Ok(());
+        }
+        // SAFETY: the CQ is alive (we hold its Arc); a resize keeps what it holds.
+        let rc = unsafe { ibv_resize_cq(self.cq.cq().as_ptr(), depth.min(i32::MAX as u32) as i32) };
+        if rc != 0 {
+            return Err(Error::Verbs {
+                op: "resize completion queue",
+                detail: format!(
+                    "to {depth} entries from {}: {}",
+                    self.depth,
+                    std::io::Error::from_raw_os_error(rc.abs())
+                ),
+                source: None,
+            });
+        }
+        self.depth = depth;
+        Ok(())
+    }
+
+    /// Completions it has room for, at least.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Which CQ this is, as its async events name it (its address).
+    pub fn id(&self) -> usize {
+        // SAFETY: the CQ is alive (we hold its Arc); only its address is taken.
+        unsafe { self.cq.cq() }.as_ptr() as usize
+    }
+
+    /// The descriptor its events make readable (none without a completion channel).
+    pub fn event_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.channel.as_ref().map(|c| c.as_raw_fd())
     }
 
     /// Asks for an event at the next completion; whether this CQ has events. Poll once more

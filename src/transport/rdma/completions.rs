@@ -10,14 +10,26 @@ impl RdmaTransport {
     pub fn health(&mut self) -> Result<()> {
         self.check_side()?;
         self.poll()?;
-        for ev in self.events.drain() {
+        for ev in self.opened.events() {
             if ev.is_fatal() {
+                // The device may be shared: another communicator's QP or CQ is not ours to
+                // fail on; a port's or the device's event is every communicator's.
                 let who = match ev {
-                    AsyncEvent::QpFatal(qpn) => (0..self.peers.len()).find(|&p| {
-                        self.peers[p]
-                            .as_ref()
-                            .is_some_and(|s| s.qp.endpoint().qpn == qpn)
-                    }),
+                    AsyncEvent::QpFatal(qpn) => {
+                        let ours = |s: &PeerState| s.qp.endpoint().qpn == qpn;
+                        let coming = |p: usize| {
+                            self.coming[p]
+                                .as_ref()
+                                .is_some_and(|c| c.st.as_ref().is_some_and(ours))
+                        };
+                        match (0..self.peers.len())
+                            .find(|&p| self.peers[p].as_ref().is_some_and(ours) || coming(p))
+                        {
+                            Some(p) => Some(p),
+                            None => continue,
+                        }
+                    }
+                    AsyncEvent::CqError(cq) if cq != self.cq.id() => continue,
                     _ => None,
                 };
                 // A QP's event blames its peer; port, CQ and device events are this rank's own.
@@ -25,8 +37,9 @@ impl RdmaTransport {
                 return Err(self.fail(p, format!("device event on {}: {ev:?}", self.device)));
             }
         }
-        let sq_limit = 2 * self.layout.slots as u64 + 16;
-        for p in 0..self.peers.len() {
+        let sq_limit = connect::send_depth(self.layout.slots) as u64;
+        for i in 0..self.up.len() {
+            let p = self.up[i];
             let Some(st) = self.peers[p].as_ref() else {
                 continue;
             };
@@ -40,7 +53,7 @@ impl RdmaTransport {
                 }
                 Some(_) => {}
                 None if st.wr_posted - st.wr_done + 2 < sq_limit => {
-                    self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(self.rank), None)?;
+                    self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(), None)?;
                     self.state(p).probe = Some(Instant::now());
                 }
                 None => {}

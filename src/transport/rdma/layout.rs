@@ -1,4 +1,4 @@
-//! Where everything lives in the one registered buffer of a rank.
+//! Where everything lives in the registered buffer a rank keeps for one peer.
 
 use crate::transport::mailbox::ENTRY;
 
@@ -6,12 +6,11 @@ use crate::transport::mailbox::ENTRY;
 /// lands (just ahead of the data, which stays 64-byte aligned).
 pub(super) const PRE: usize = 64;
 
-/// Buffer layout: for each rank p (own index unused) a block that only p may write, under a key
-/// of its own: recv slots, a credit line, mailboxes; then the send slots for every rank, which
-/// no peer may write. A slot is [`PRE`] bytes, then `slot` bytes of data.
+/// The layout of a rank's buffer for one peer: the block that only the peer may write, under a
+/// key of its own (receive slots, a credit line, mailboxes); then the send slots to it and a
+/// scratch line, which no peer may write. A slot is [`PRE`] bytes, then `slot` bytes of data.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Layout {
-    pub(super) n: usize,
     pub(super) slots: usize,
     pub(super) slot: usize,
 }
@@ -20,32 +19,34 @@ impl Layout {
     pub(super) fn region(&self) -> usize {
         self.slots * (PRE + self.slot)
     }
-    /// Bytes of the block each peer writes.
+    /// Bytes of the block the peer writes.
     pub(super) fn block(&self) -> usize {
         self.region() + 64 + self.slots * ENTRY
     }
-    /// The block `p` writes.
-    pub(super) fn window(&self, p: usize) -> std::ops::Range<usize> {
-        p * self.block()..(p + 1) * self.block()
+    /// The block the peer writes.
+    pub(super) fn window(&self) -> std::ops::Range<usize> {
+        0..self.block()
     }
-    /// Where chunk `k` from `p` lands: the data's offset.
-    pub(super) fn recv_off(&self, p: usize, k: u64) -> usize {
-        p * self.block() + (k as usize % self.slots) * (PRE + self.slot) + PRE
+    /// Where chunk `k` from the peer lands: the data's offset.
+    pub(super) fn recv_off(&self, k: u64) -> usize {
+        (k as usize % self.slots) * (PRE + self.slot) + PRE
     }
-    /// Where chunk `k` to `p` is staged: the data's offset.
-    pub(super) fn send_off(&self, p: usize, k: u64) -> usize {
-        self.n * self.block()
-            + p * self.region()
-            + (k as usize % self.slots) * (PRE + self.slot)
-            + PRE
+    /// Where chunk `k` to the peer is staged: the data's offset.
+    pub(super) fn send_off(&self, k: u64) -> usize {
+        self.block() + (k as usize % self.slots) * (PRE + self.slot) + PRE
     }
-    pub(super) fn credit_off(&self, p: usize) -> usize {
-        p * self.block() + self.region()
+    /// The word where the peer writes its consumed count of our chunks.
+    pub(super) fn credit_off(&self) -> usize {
+        self.region()
     }
-    pub(super) fn mailbox_off(&self, p: usize, k: u64) -> usize {
-        p * self.block() + self.region() + 64 + (k as usize % self.slots) * ENTRY
+    pub(super) fn mailbox_off(&self, k: u64) -> usize {
+        self.region() + 64 + (k as usize % self.slots) * ENTRY
+    }
+    /// A word of our own that credit writes are sent from (inline).
+    pub(super) fn scratch_off(&self) -> usize {
+        self.block() + self.region()
     }
     pub(super) fn total(&self) -> usize {
-        self.n * (self.block() + self.region())
+        self.block() + self.region() + 64
     }
 }

@@ -14,9 +14,10 @@ impl RdmaTransport {
         remote_off: usize,
         imm: Option<u32>,
     ) -> Result<()> {
+        let buf = &self.state(p).buf;
         let sge = Sge {
-            lkey: self.buf.lkey_at(off, len),
-            addr: self.buf.addr() + off as u64,
+            lkey: buf.lkey_at(off, len),
+            addr: buf.addr() + off as u64,
             len: len as u32,
         };
         self.post_from(p, kind, &[sge], remote_off, imm, false)
@@ -39,9 +40,9 @@ impl RdmaTransport {
         let signaled = !fire_and_forget || st.unsignaled >= QUIET_MAX;
         let id = wr_id(kind, p, st.wr_posted);
         let remote_addr = st.remote.addr + remote_off as u64;
-        // SAFETY: the local range lies in our registered buffer (off/len from the layout), which
-        // outlives every QP (field order), or in the lent buffer, which stays registered and
-        // unwritten until the write completes (settle, finish) or the operation failed and
+        // SAFETY: the local range lies in our registered buffer for `p` (off/len from the
+        // layout), which outlives its QP (field order), or in the lent buffer, which stays
+        // registered and unwritten until the write completes (settle, finish) or the operation failed and
         // release() deregistered it (the WR then fails; the memory is never touched after); the
         // data slot is not reused before this write completes (send_done); credit words are sent
         // inline (copied at post time).
@@ -61,8 +62,9 @@ impl RdmaTransport {
     /// Chunk `k` from `p`, if it has landed in its mailbox: (length, offset of the entry, the low
     /// 16 bits of `p`'s consumed count of our chunks).
     pub(super) fn landed(&self, p: usize, k: u64) -> Option<(usize, usize, u16)> {
-        let entry = self.layout.mailbox_off(p, k);
-        let ptr = self.buf.ptr_at(entry + ENTRY - 8) as *const u64;
+        let entry = self.layout.mailbox_off(k);
+        let buf = &self.peers[p].as_ref().expect("connected").buf;
+        let ptr = buf.ptr_at(entry + ENTRY - 8) as *const u64;
         // SAFETY: an aligned u64 inside our buffer (entries are 64-byte aligned), written only
         // by the peer's RDMA writes; read volatile since the device changes it behind the
         // compiler's back.
@@ -85,7 +87,8 @@ impl RdmaTransport {
     }
 
     pub(super) fn credits_from(&self, p: usize) -> u64 {
-        let ptr = self.buf.ptr_at(self.layout.credit_off(p)) as *const u64;
+        let buf = &self.peers[p].as_ref().expect("connected").buf;
+        let ptr = buf.ptr_at(self.layout.credit_off()) as *const u64;
         // SAFETY: an aligned u64 inside our buffer, written only by the peer's RDMA writes;
         // read volatile since the HCA changes it behind the compiler's back.
         let v = unsafe { std::ptr::read_volatile(ptr) };
@@ -93,14 +96,37 @@ impl RdmaTransport {
         v
     }
 
-    /// Sleeps on the completion channel until an event or the nap's end (see [`MIN_NAP`]).
+    /// Sleeps on the completion channel and the data listener (a peer may dial), and the
+    /// connections under way, until one wakes or the nap's end (see [`MIN_NAP`]).
     pub(super) fn nap(&mut self) -> Result<()> {
         // A completion that came before the request raised no event: look once more first.
         if self.cq.arm()? && self.poll()? {
             self.made_progress();
             return Ok(());
         }
-        self.cq.block(self.nap)?;
+        match self.cq.event_fd() {
+            Some(fd) => {
+                let mut fds = std::mem::take(&mut self.fds);
+                let cq = crate::sys::Wait {
+                    fd,
+                    read: true,
+                    write: false,
+                };
+                crate::sys::wait_for(
+                    std::iter::once(cq).chain(self.connect_waits()),
+                    self.nap,
+                    &mut fds,
+                );
+                // Takes (acknowledges) the CQ's event if that is what woke us.
+                if fds[0].revents & libc::POLLIN != 0 {
+                    self.cq.block(Duration::ZERO)?;
+                }
+                self.fds = fds;
+            }
+            None => {
+                self.cq.block(self.nap)?;
+            }
+        }
         self.nap = (self.nap * 2).min(MAX_NAP);
         Ok(())
     }
@@ -123,6 +149,9 @@ impl Link for RdmaTransport {
                 self.layout.slot
             )));
         }
+        if !self.reach(p)? {
+            return Ok(false);
+        }
         let slots = self.layout.slots as u64;
         let word = self.credits_from(p);
         let st = self.state(p);
@@ -143,7 +172,7 @@ impl Link for RdmaTransport {
             self.state(p).peer_consumed = credits;
         }
         let st = self.state(p);
-        let sq_room = st.wr_posted - st.wr_done + 2 < 2 * slots + 16;
+        let sq_room = st.wr_posted - st.wr_done + 2 < connect::send_depth(slots as usize) as u64;
         if !protocol::may_post(k, credits, st.send_done, slots) || !sq_room {
             return Ok(false);
         }
@@ -165,18 +194,19 @@ impl Link for RdmaTransport {
             None
         };
         let to_mailbox = region.is_none() && head + data.len() <= mailbox::MAX_PAYLOAD;
-        let off = self.layout.send_off(p, k);
-        let staging_key = self.buf.lkey_at(off, 0);
+        let off = self.layout.send_off(k);
+        let buf = &mut self.peers[p].as_mut().expect("connected").buf;
+        let staging_key = buf.lkey_at(off, 0);
         let staged_head = Sge {
             lkey: staging_key,
-            addr: self.buf.addr() + (off - head) as u64,
+            addr: buf.addr() + (off - head) as u64,
             len: head as u32,
         };
         if head > 0 {
             // SAFETY: send slots are registered for local access only (no peer writes them),
             // and may_post above found this slot's previous write completed (the device is done
             // reading it).
-            unsafe { self.buf.slice_mut(off - head, head) }.copy_from_slice(&desc);
+            unsafe { buf.slice_mut(off - head, head) }.copy_from_slice(&desc);
         }
         let mut len = head + data.len();
         let (sges, zero_copy) = match region {
@@ -199,17 +229,17 @@ impl Link for RdmaTransport {
                     payload[..head].copy_from_slice(&desc[..head]);
                     payload[head..len].copy_from_slice(data);
                     // SAFETY: this rank's send slot, free (as for the descriptor above).
-                    let out = unsafe { self.buf.slice_mut(off, ENTRY) };
+                    let out = unsafe { buf.slice_mut(off, ENTRY) };
                     len = mailbox::encode(k, consumed, &payload[..len], out);
                     let at = Sge {
                         lkey: staging_key,
-                        addr: self.buf.addr() + off as u64,
+                        addr: buf.addr() + off as u64,
                         len: len as u32,
                     };
                     ([at, none], false)
                 } else {
                     // SAFETY: this rank's send slot, free (as for the descriptor above).
-                    crate::copy::copy(unsafe { self.buf.slice_mut(off, data.len()) }, data);
+                    crate::copy::copy(unsafe { buf.slice_mut(off, data.len()) }, data);
                     let whole = Sge {
                         len: len as u32,
                         ..staged_head
@@ -219,11 +249,11 @@ impl Link for RdmaTransport {
             }
         };
         let (remote_off, imm) = if to_mailbox {
-            let entry = self.layout.mailbox_off(self.rank, k);
+            let entry = self.layout.mailbox_off(k);
             (entry + mailbox::write_offset(len), None)
         } else {
             let imm = protocol::immediate(k, consumed);
-            (self.layout.recv_off(self.rank, k) - head, Some(imm))
+            (self.layout.recv_off(k) - head, Some(imm))
         };
         let quiet = !zero_copy && len <= MAX_INLINE as usize;
         let wr = self.state(p).wr_posted;
@@ -231,7 +261,7 @@ impl Link for RdmaTransport {
         self.post_from(p, KIND_DATA, &sges, remote_off, imm, quiet)?;
         if zero_copy {
             if self.zc.len() == self.zc.capacity() {
-                self.retire_zero_copy(); // at most slots per peer remain: no reallocation
+                self.retire_zero_copy(); // often room enough again: no reallocation
             }
             let a = data.as_ptr() as usize;
             self.zc.push_back((p, k, a, a + data.len()));
@@ -250,6 +280,12 @@ impl Link for RdmaTransport {
     }
 
     fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        if self.peers[p].is_none() {
+            self.reach(p)?;
+            if self.peers[p].is_none() {
+                return Ok(false);
+            }
+        }
         let slots = self.layout.slots as u64;
         let st = self.state(p);
         let k = st.consumed;
@@ -263,7 +299,7 @@ impl Link for RdmaTransport {
         // The chunk's bytes as written (the descriptor first, if any): where, how many, and
         // the credits a mailbox trailer carries.
         let (off, len, mailbox_consumed) = if by_imm != EMPTY {
-            (self.layout.recv_off(p, k) - head, by_imm as usize, None)
+            (self.layout.recv_off(k) - head, by_imm as usize, None)
         } else {
             let Some((len, entry, low)) = self.landed(p, k) else {
                 return Ok(false);
@@ -291,13 +327,25 @@ impl Link for RdmaTransport {
         if head > 0 {
             // SAFETY: a receive slot whose chunk arrived (its completion was seen) and whose
             // credit has not been returned: the writer may not write it again until we do.
-            let got = unsafe { self.buf.slice(off, head) };
+            let got = unsafe {
+                self.peers[p]
+                    .as_ref()
+                    .expect("connected")
+                    .buf
+                    .slice(off, head)
+            };
             if let Err(why) = self.numbering.check_from(p, got) {
                 return Err(self.watch.mismatch(p, why));
             }
         }
         // SAFETY: as for the descriptor: an arrived chunk, its slot not yet given back.
-        f(unsafe { self.buf.slice(off + head, len - head) })?;
+        f(unsafe {
+            self.peers[p]
+                .as_ref()
+                .expect("connected")
+                .buf
+                .slice(off + head, len - head)
+        })?;
         self.numbering.took_from(p);
         let st = self.state(p);
         st.lens[slot] = EMPTY;
@@ -316,12 +364,12 @@ impl Link for RdmaTransport {
         }
         st.returned = consumed;
         // Our consumed count into the writer's credit word for us (inline).
-        let credit_remote = self.layout.credit_off(self.rank);
-        // A scratch word in this rank's own block, which no peer has a key for.
-        let tmp_off = self.layout.credit_off(self.rank) + 8;
-        // SAFETY: the own block is registered for local access only, and every credit write
+        let credit_remote = self.layout.credit_off();
+        // A scratch word past the send slots, which no peer has a key for.
+        let tmp_off = self.layout.scratch_off();
+        // SAFETY: the scratch line is registered for local access only, and every credit write
         // from it went inline (the device copied the word when it was posted).
-        unsafe { self.buf.slice_mut(tmp_off, 8) }.copy_from_slice(&consumed.to_le_bytes());
+        unsafe { self.state(p).buf.slice_mut(tmp_off, 8) }.copy_from_slice(&consumed.to_le_bytes());
         self.post(p, KIND_CREDIT, tmp_off, 8, credit_remote, None)?;
         self.made_progress();
         Ok(true)
@@ -347,11 +395,18 @@ impl Link for RdmaTransport {
             self.made_progress();
             return Ok(());
         }
+        // Connections under way move on every turn; otherwise the listener is looked at now
+        // and then (`Lookout`), so that a peer dialing this rank while it waits on another is
+        // answered.
+        if (self.connecting() || self.lookout.due()) && self.connect_step()? {
+            return Ok(());
+        }
         match self.watch.idle(&mut self.pacer, waiting_on, self.timeout)? {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
                 self.nap()?;
+                self.connect_step()?;
             }
             Wait::Expired => {}
         }
@@ -415,8 +470,18 @@ impl crate::transport::Transport for RdmaTransport {
     }
     fn holds(&self) -> crate::transport::Holdings {
         crate::transport::Holdings {
-            pinned: self.buf.len(),
-            connections: self.peers.iter().flatten().count(),
+            pinned: self
+                .up
+                .iter()
+                .chain(&self.pending)
+                .map(|&p| {
+                    let st = self.peers[p].as_ref();
+                    let c = self.coming[p].as_ref().and_then(|c| c.st.as_ref());
+                    st.or(c).map_or(0, |s| s.buf.len())
+                })
+                .sum::<usize>()
+                + self.spare.as_ref().map_or(0, |b| b.len()),
+            connections: self.up.len(),
             ..Default::default()
         }
     }

@@ -1,6 +1,8 @@
-//! The RDMA transport: one reliable-connected QP per peer, one registered buffer holding every
-//! peer's receive slots, send staging slots and credit words, and RDMA WRITE_WITH_IMM into the
-//! peer's slots with credit-based flow control (never RNR).
+//! The RDMA transport: one reliable-connected QP per peer, connected when an operation first
+//! exchanges with it (`connect.rs`; all at creation with `RDMACOMM_CONNECT=eager`), a registered
+//! buffer per connected peer holding its receive slots, credit word and mailboxes and our send
+//! staging slots to it, and RDMA WRITE_WITH_IMM into the peer's slots with credit-based flow
+//! control (never RNR).
 //!
 //! Protocol, per ordered pair (writer w, reader r), with S slots of B bytes:
 //! - chunk number k goes to r's slot `k % S` (a WRITE_WITH_IMM; the immediate's low 16 bits are
@@ -34,6 +36,7 @@
 //!   would see an immediate's on polling (measured: docs/DESIGN.md).
 
 mod completions;
+mod connect;
 mod layout;
 mod link;
 mod protocol;
@@ -42,8 +45,9 @@ mod zero_copy;
 
 use crate::bootstrap::rendezvous::{Card, Rendezvous};
 use crate::bootstrap::{check_tags, Reader, TAG_RDMA};
-use crate::config::Config;
+use crate::config::{Config, Connect};
 use crate::error::{Error, Peer, Result};
+use crate::transport::dial::{self, Dialer, Lookout};
 use crate::transport::mailbox::{self, ENTRY};
 use crate::transport::numbering::Numbering;
 use crate::transport::op::{self, OpDesc, Partners};
@@ -52,15 +56,18 @@ use crate::transport::watch::Watch;
 use crate::transport::{copy_chunk, Lending, Link, Medium, Props};
 use crate::verbs::queue::MAX_INLINE;
 use crate::verbs::{
-    self, AsyncEvent, AsyncEvents, CompletionQueue, Endpoint, LentRegion, RcQueuePair,
-    RegisteredBuffer, RetryPolicy, Sge,
+    self, AsyncEvent, CompletionQueue, Device, Endpoint, LentRegion, RcQueuePair, RegisteredBuffer,
+    RetryPolicy, Sge,
 };
+#[cfg(feature = "unstable")]
+pub use connect::{info, INFO, READY};
 use layout::Layout;
 use protocol::FREE_AT_POST;
 use sideway::ibverbs::device_context::{DeviceContext, PortState};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::QueuePairState;
 use std::collections::VecDeque;
+use std::net::SocketAddr;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,9 +103,12 @@ struct Remote {
     rkey: u32,
 }
 
+/// One connected peer. Field order is drop order: the QP before the buffer it points into.
 struct PeerState {
     qp: RcQueuePair,
     remote: Remote,
+    /// The peer's READY came: its queue pair takes our writes.
+    ready: bool,
     /// Chunks posted to this peer.
     sent: u64,
     /// Data writes completed.
@@ -123,6 +133,8 @@ struct PeerState {
     lens: Vec<u32>,
     /// When the outstanding health probe (a zero-byte RDMA write) was posted.
     probe: Option<Instant>,
+    /// Its block (which only it may write), our send slots to it and a scratch line.
+    buf: RegisteredBuffer,
 }
 
 impl PeerState {
@@ -133,9 +145,15 @@ impl PeerState {
     }
 }
 
-/// The RDMA transport of one rank. Field order is drop order: QPs before the CQ and the buffer.
+/// The RDMA transport of one rank. Field order is drop order: QPs before the CQ.
 pub struct RdmaTransport {
+    /// Peers whose queue pair is connected (ready once their READY came).
     peers: Vec<Option<PeerState>>,
+    /// Peers whose queue pair is being connected, and their ranks.
+    coming: Vec<Option<Box<connect::Coming>>>,
+    pending: Vec<usize>,
+    /// Ranks of the ready peers, in the order they came up.
+    up: Vec<usize>,
     /// The buffer the current operation lent for zero-copy sends, registered.
     lent: Option<LentRegion>,
     /// Buffers registered across operations ([`Lending::register`]), by id.
@@ -146,12 +164,25 @@ pub struct RdmaTransport {
     /// Smallest buffer worth registering for one operation (0: never).
     zc_min: usize,
     cq: CompletionQueue,
-    buf: RegisteredBuffer,
+    /// The first peer's buffer, registered at creation so that a locked-memory limit too low
+    /// for one peer fails there, before any traffic.
+    spare: Option<RegisteredBuffer>,
     _pd: Arc<ProtectionDomain>,
     _ctx: Arc<DeviceContext>,
     /// The side channel and the first failure.
     watch: Watch,
-    events: AsyncEvents,
+    /// The open device (shared with the process's other communicators) and its events.
+    opened: Device,
+    /// The listener and the TCP connections that carry each pair's endpoints.
+    dialer: Dialer,
+    dial_events: Vec<crate::transport::dial::Event>,
+    /// When a wait looks at the listener (a peer may dial while we wait on another).
+    lookout: Lookout,
+    fds: Vec<libc::pollfd>,
+    policy: RetryPolicy,
+    /// The completion queue's largest size on this device.
+    max_cqe: u32,
+    sel: verbs::Selected,
     layout: Layout,
     rank: usize,
     timeout: Duration,
@@ -218,7 +249,10 @@ impl RdmaTransport {
     /// Polls completions and the side channel now, without waiting: whether anything happened.
     pub(crate) fn poll_now(&mut self) -> Result<bool> {
         self.watch.poll_sometimes()?;
-        let moved = self.poll()?;
+        let mut moved = self.poll()?;
+        if self.connecting() || self.lookout.due() {
+            moved |= self.connect_step()?;
+        }
         if moved {
             self.made_progress();
         }

@@ -4,80 +4,61 @@
 use super::*;
 
 impl RdmaTransport {
-    /// Opens the device, registers memory, creates one QP per peer, meets every rank through
-    /// `meet` (which exchanges cards and returns the side channel: the bootstrap, or a parent
-    /// communicator for `split`), and connects. Every rank of `cfg.world_size` must call this.
+    /// Opens the device, listens for data connections, meets every rank through `meet` (which
+    /// exchanges cards and returns the side channel: the bootstrap, or a parent communicator
+    /// for `split`), and, with `RDMACOMM_CONNECT=eager`, connects a queue pair to every rank;
+    /// else each is connected, and its memory registered, at its first use. Every rank of
+    /// `cfg.world_size` must call this.
     pub fn connect_with(
         cfg: &Config,
         meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
-        let (ctx, sel) = verbs::open(&cfg.device)?;
+        // The process's context for this device where it has one (a dup opens nothing).
+        let device = Device::open(&cfg.device)?;
+        let (ctx, sel) = (Arc::clone(device.context()), device.selected().clone());
         let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
             op: "allocate protection domain",
             detail: e.to_string(),
             source: Some(Box::new(e)),
         })?;
+        let max_cqe = ctx
+            .query_device()
+            .map(|a| a.max_cqe().max(64) as u32)
+            .unwrap_or(u32::MAX);
         let layout = Layout {
-            n,
             slots: cfg.slots,
             slot: cfg.slot_bytes,
         };
-        let windows: Vec<_> = (0..n)
-            .filter(|&p| p != cfg.rank)
-            .map(|p| layout.window(p))
-            .collect();
-        let buf = RegisteredBuffer::with_windows(&pd, layout.total(), &windows)?;
-        let s = cfg.slots as u32;
-        let send_depth = 2 * s + 16;
-        let cq_depth = ((send_depth + s) * (n as u32 - 1).max(1)).max(64);
-        let cq = CompletionQueue::new(&ctx, cq_depth)?;
-        let mut qps: Vec<Option<RcQueuePair>> = Vec::with_capacity(n);
-        for p in 0..n {
-            qps.push(if p == cfg.rank {
-                None
-            } else {
-                Some(RcQueuePair::new(&pd, &cq, &sel, send_depth, s)?)
-            });
-        }
-        // Our card: geometry and buffer address for every rank; for each rank, the endpoint of
-        // its queue pair and the key of the one block it may write.
+        // Room for two peers' completions (a ring's); it grows as peers connect.
+        let each = connect::send_depth(cfg.slots) + cfg.slots as u32;
+        let cq = CompletionQueue::new(&ctx, (2 * each).clamp(64, max_cqe))?;
+        // A limit on locked memory too low for one peer fails here, naming it.
+        let spare = (n > 1)
+            .then(|| connect::register(&pd, layout))
+            .transpose()?;
+        let (listener, text) = dial::listen(cfg)?;
+        // Our card: slot geometry, how we connect, and where we take data connections.
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_RDMA.to_le_bytes());
         common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
         common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
-        common.extend_from_slice(&buf.addr().to_le_bytes());
-        let mut each = Vec::with_capacity(n * (Endpoint::BYTES + 4));
-        for (p, qp) in qps.iter().enumerate() {
-            let e = qp.as_ref().map(|q| q.endpoint()).unwrap_or_default();
-            each.extend_from_slice(&e.to_bytes());
-            let key = if p == cfg.rank {
-                0
-            } else {
-                buf.rkey_at(layout.window(p).start)
-            };
-            each.extend_from_slice(&key.to_le_bytes());
-        }
+        dial::put_reach(&mut common, cfg, &text);
         let card = Card {
             common,
-            entry: Endpoint::BYTES + 4,
-            each,
+            entry: 0,
+            each: Vec::new(),
         };
         let rv = meet(&card)?;
         check_tags(&rv.cards, &rv.addrs, cfg.rank, TAG_RDMA)?;
         let mut side = rv.side;
         // Every step to the barrier is told to the group if it fails here.
-        let peers = (|| -> Result<Vec<Option<PeerState>>> {
-            let policy = RetryPolicy::for_limit(cfg.timeout, cfg.ib_timeout, cfg.ib_retry);
-            let mut peers: Vec<Option<PeerState>> = Vec::with_capacity(n);
-            for (p, qp) in qps.into_iter().enumerate() {
-                let Some(mut qp) = qp else {
-                    peers.push(None);
-                    continue;
-                };
+        let addrs = (|| -> Result<Vec<SocketAddr>> {
+            let mut addrs = Vec::with_capacity(n);
+            for (p, c) in rv.cards.iter().enumerate() {
                 let addr_p = &rv.addrs[p];
-                let mut r = Reader(&rv.cards[p][4..]);
+                let mut r = Reader(&c[4..]);
                 let (slots, slot) = (r.u32()? as usize, r.u32()? as usize);
                 if slots != cfg.slots || slot != cfg.slot_bytes {
                     return Err(Error::Config(format!(
@@ -86,47 +67,14 @@ impl RdmaTransport {
                         cfg.rank, cfg.slots, cfg.slot_bytes
                     )));
                 }
-                let addr = r.u64()?;
-                // The endpoint of p's queue pair for us, and the key of our block in p's buffer.
-                let mine = Endpoint::from_bytes(r.take(Endpoint::BYTES)?).expect("BYTES taken");
-                let remote = Remote {
-                    addr,
-                    rkey: r.u32()?,
-                };
-                for k in 0..cfg.slots as u64 {
-                    qp.post_recv(wr_id(KIND_RECV, p, k))?;
-                }
-                qp.connect(&mine, policy).map_err(|e| Error::PeerFailed {
-                    peer: Peer {
-                        rank: p,
-                        addr: addr_p.clone(),
-                    },
-                    reason: format!("connecting the queue pair: {e}"),
-                })?;
-                peers.push(Some(PeerState {
-                    qp,
-                    remote,
-                    sent: 0,
-                    send_done: 0,
-                    wr_posted: 0,
-                    wr_done: 0,
-                    unsignaled: 0,
-                    chunk_wr: vec![0; cfg.slots],
-                    cq_next: 0,
-                    consumed: 0,
-                    returned: 0,
-                    peer_consumed: 0,
-                    lens: vec![EMPTY; cfg.slots],
-                    probe: None,
-                }));
+                addrs.push(dial::read_reach(&mut r, p, cfg)?);
             }
-            Ok(peers)
+            Ok(addrs)
         })();
-        let peers = side.told(peers)?;
-        // Nobody writes before every QP is ready to receive.
+        let addrs = side.told(addrs)?;
+        let dialer = side.told(Dialer::new(cfg.rank, listener, addrs, rv.session))?;
         side.barrier()?;
         side.set_async()?;
-        let events = AsyncEvents::new(&ctx)?;
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
         // than cores), yield up to 2 ms, then sleep on the completion channel (see `MIN_NAP`):
         // no core burnt on a long wait. RDMACOMM_POLL=spin never stops spinning; =yield never spins.
@@ -138,19 +86,28 @@ impl RdmaTransport {
             takes_return_credits: true,
             ..Props::new(cfg.rank, cfg.world_size, layout.slot, Medium::Rdma)
         };
-        Ok(RdmaTransport {
-            peers,
+        let mut t = RdmaTransport {
+            peers: (0..n).map(|_| None).collect(),
+            coming: (0..n).map(|_| None).collect(),
+            pending: Vec::new(),
+            up: Vec::new(),
             lent: None,
             registered: Vec::new(),
             next_registration: 0,
-            zc: VecDeque::with_capacity(n * cfg.slots),
+            zc: VecDeque::with_capacity(2 * cfg.slots),
             zc_min,
             cq,
-            buf,
+            spare,
             _pd: pd,
             _ctx: ctx,
             watch: Watch::new(side, cfg.rank, rv.addrs),
-            events,
+            opened: device,
+            dialer,
+            dial_events: Vec::new(),
+            lookout: Lookout::default(),
+            fds: Vec::new(),
+            policy: RetryPolicy::for_limit(cfg.timeout, cfg.ib_timeout, cfg.ib_retry),
+            max_cqe,
             layout,
             rank: cfg.rank,
             timeout: cfg.timeout,
@@ -165,9 +122,14 @@ impl RdmaTransport {
                 crate::verbs::mtu_bytes(sel.mtu)
             ),
             port: sel.port,
+            sel,
             numbering: Numbering::new(cfg.rank, cfg.world_size),
             props,
-        })
+        };
+        if cfg.connect == Connect::Eager {
+            t.connect_all()?;
+        }
+        Ok(t)
     }
 
     /// Waits (bounded) until every posted work request has completed, e.g. before teardown.
@@ -175,14 +137,15 @@ impl RdmaTransport {
         self.begin();
         // A signaled probe behind any unsignaled tail, so its completion retires the tail
         // (inline writes free their slots when posted, so only completions show they landed).
-        for p in 0..self.peers.len() {
+        for i in 0..self.up.len() {
+            let p = self.up[i];
             if self.peers[p].as_ref().is_some_and(|s| s.unsignaled > 0) {
-                self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(self.rank), None)?;
+                self.post(p, KIND_PROBE, 0, 0, self.layout.credit_off(), None)?;
                 self.state(p).probe = Some(Instant::now());
             }
         }
         loop {
-            let pending = (0..self.peers.len()).find(|&p| {
+            let pending = self.up.iter().copied().find(|&p| {
                 self.peers[p]
                     .as_ref()
                     .is_some_and(|s| s.wr_done < s.wr_posted)

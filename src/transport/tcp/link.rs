@@ -62,15 +62,15 @@ impl TcpTransport {
         }
     }
 
-    /// Waits up to `d` for any socket to become readable (or writable when output is queued).
-    /// With `dialing`, also for the listener and the connections under way.
-    pub(super) fn wait(&mut self, d: Duration, dialing: bool) {
+    /// Waits up to `d` for any socket to become readable (or writable when output is queued),
+    /// the listener (a peer may dial) and the connections under way.
+    pub(super) fn wait(&mut self, d: Duration) {
         let socks = self.conns.iter().flatten().map(|c| crate::sys::Wait {
             fd: c.sock.as_raw_fd(),
             read: true,
             write: !c.out.is_empty(),
         });
-        let dials = self.dialer.waits().filter(|_| dialing);
+        let dials = self.dialer.waits();
         crate::sys::wait(socks.chain(dials), d.as_millis() as u64, &mut self.fds);
     }
 
@@ -297,7 +297,9 @@ impl Link for TcpTransport {
         if self.conns[waiting_on].is_none() {
             self.dial(waiting_on)?;
         }
-        if self.conns[waiting_on].is_none() || self.dialer.busy() {
+        // Connections under way move on every turn; otherwise the listener is looked at now
+        // and then, so that a peer dialing this rank while it waits on another is answered.
+        if self.conns[waiting_on].is_none() || self.dialer.busy() || self.lookout.due() {
             moved |= self.connect_step()?;
         }
         if moved {
@@ -317,8 +319,8 @@ impl Link for TcpTransport {
             Wait::Spin => std::hint::spin_loop(),
             Wait::Yield => std::thread::yield_now(),
             Wait::BackOff => {
-                let dialing = self.conns[waiting_on].is_none() || self.dialer.busy();
-                self.wait(Duration::from_millis(1), dialing);
+                self.wait(Duration::from_millis(1));
+                self.connect_step()?;
             }
             Wait::Expired => {}
         }

@@ -11,12 +11,11 @@
 //! stream, and the kernel's copies into and out of those pages run at full speed (a 4-byte
 //! header left them misaligned: 15-25% slower from 512 KiB, see `HDR`).
 
-mod dial;
 mod frame;
 mod link;
 mod setup;
 
-use crate::bootstrap::rendezvous::{mac, mac_ok, Card, Rendezvous, KEY};
+use crate::bootstrap::rendezvous::{Card, Rendezvous};
 use crate::bootstrap::{check_tags, Reader, TAG_TCP};
 use crate::config::{Config, Connect, Poll};
 use crate::error::{Error, Peer, Result};
@@ -26,11 +25,11 @@ use crate::transport::pacer::{oversubscribed, Pacer, Wait};
 use crate::transport::watch::Watch;
 use crate::transport::{Link, Medium, Props};
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use dial::{tune, Dialer, Event};
+use crate::transport::dial::{self, tune, Dialer, Event, Lookout};
 use frame::{pad, InQueue, OutQueue, HDR, OP_AT, PAD};
 
 /// How long an idle rank yields its core before blocking in poll(2).
@@ -101,6 +100,8 @@ pub struct TcpTransport {
     dialer: Dialer,
     /// What the dialer's last step brought.
     events: Vec<Event>,
+    /// When a wait looks at the listener (a peer may dial while we wait on another).
+    lookout: Lookout,
 }
 
 impl TcpTransport {

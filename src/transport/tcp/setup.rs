@@ -14,52 +14,11 @@ impl TcpTransport {
     ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
-        let ip: std::net::IpAddr = match &cfg.bind_addr {
-            Some(a) => a.parse().map_err(|_| {
-                Error::Config(format!("RDMACOMM_BIND_ADDR={a:?} is not an IP address"))
-            })?,
-            None => {
-                // The address we reach the coordinator from is one peers can reach us at.
-                let sa: SocketAddr = cfg
-                    .coordinator
-                    .parse()
-                    .or_else(|_| {
-                        use std::net::ToSocketAddrs;
-                        cfg.coordinator
-                            .to_socket_addrs()
-                            .ok()
-                            .and_then(|mut i| i.next())
-                            .ok_or(())
-                    })
-                    .map_err(|_| {
-                        Error::Config(format!(
-                            "coordinator address {:?} does not resolve",
-                            cfg.coordinator
-                        ))
-                    })?;
-                if sa.ip().is_loopback() {
-                    sa.ip()
-                } else {
-                    // The coordinator's address family: an IPv6 coordinator, an IPv6 data path.
-                    let any = if sa.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
-                    std::net::UdpSocket::bind(any)
-                        .and_then(|u| u.connect(sa).and_then(|_| u.local_addr()))
-                        .map(|a| a.ip())
-                        .unwrap_or(sa.ip())
-                }
-            }
-        };
-        let listener = crate::bootstrap::listen(SocketAddr::new(ip, 0)).map_err(|e| {
-            Error::Bootstrap(format!("rank {} cannot listen on {ip}: {e}", cfg.rank))
-        })?;
-        let me = listener.local_addr()?;
-        let text = me.to_string();
+        let (listener, text) = dial::listen(cfg)?;
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_TCP.to_le_bytes());
         common.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
-        common.extend_from_slice(&(cfg.connect as u32).to_le_bytes());
-        common.extend_from_slice(&(text.len() as u32).to_le_bytes());
-        common.extend_from_slice(text.as_bytes());
+        dial::put_reach(&mut common, cfg, &text);
         let card = Card {
             common,
             entry: 0,
@@ -88,21 +47,7 @@ impl TcpTransport {
                         cfg.rank, cfg.tcp_chunk
                     )));
                 }
-                let connect = r.u32()?;
-                if connect != cfg.connect as u32 {
-                    return Err(Error::Config(format!(
-                        "rank {p} connects {} but rank {} {}: set RDMACOMM_CONNECT alike everywhere",
-                        Connect::name_of(connect),
-                        cfg.rank,
-                        cfg.connect.name()
-                    )));
-                }
-                let a = String::from_utf8_lossy(r.bytes()?).into_owned();
-                addrs_data.push(
-                    a.parse::<SocketAddr>().map_err(|_| {
-                        Error::Bootstrap(format!("rank {p} sent a bad address {a:?}"))
-                    })?,
-                );
+                addrs_data.push(dial::read_reach(&mut r, p, cfg)?);
             }
             let mut dialer = Dialer::new(cfg.rank, listener, addrs_data, rv.session)?;
             let mut socks: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
@@ -172,6 +117,7 @@ impl TcpTransport {
             props: Props::new(cfg.rank, n, chunk, Medium::Tcp),
             dialer,
             events: Vec::new(),
+            lookout: Lookout::default(),
         })
     }
 

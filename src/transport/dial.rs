@@ -1,11 +1,18 @@
 //! Data connections made when first needed: either rank of a pair may dial the other (the
 //! first to post or take to it), both prove the group's session key, and where both dialed at
 //! once the lower rank's connection is kept. A connection that names no rank of the group or
-//! cannot prove the key is dropped without a word (a stranger is never fatal).
+//! cannot prove the key is dropped without a word (a stranger is never fatal). TCP sends its
+//! data over the connection; RDMA exchanges its queue pairs' endpoints over it.
 
-use super::*;
+use crate::bootstrap::rendezvous::{mac, mac_ok, KEY};
+use crate::bootstrap::Reader;
+use crate::config::{Config, Connect};
+use crate::error::{Error, Result};
 use socket2::{Domain, SockAddr, Socket, Type};
-use std::net::TcpListener;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
 
 /// Bytes of a dialer's hello: its rank, then its proof.
 const HELLO: usize = 4 + KEY;
@@ -44,8 +51,134 @@ fn answer_ok(session: &[u8; KEY], from: usize, to: usize, a: &[u8]) -> bool {
     mac_ok(session, &[b"rdmacomm tcp answer", &f, &t, &a[..1]], &a[1..])
 }
 
+/// The address this rank's data listener binds: `RDMACOMM_BIND_ADDR`, else the one this host
+/// reaches the coordinator from (a loopback coordinator, loopback).
+pub(crate) fn data_ip(cfg: &Config) -> Result<IpAddr> {
+    if let Some(a) = &cfg.bind_addr {
+        return a
+            .parse()
+            .map_err(|_| Error::Config(format!("RDMACOMM_BIND_ADDR={a:?} is not an IP address")));
+    }
+    let sa: SocketAddr = cfg
+        .coordinator
+        .parse()
+        .or_else(|_| {
+            use std::net::ToSocketAddrs;
+            cfg.coordinator
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut i| i.next())
+                .ok_or(())
+        })
+        .map_err(|_| {
+            Error::Config(format!(
+                "coordinator address {:?} does not resolve",
+                cfg.coordinator
+            ))
+        })?;
+    if sa.ip().is_loopback() {
+        return Ok(sa.ip());
+    }
+    // The coordinator's address family: an IPv6 coordinator, an IPv6 data path.
+    let any = if sa.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+    Ok(std::net::UdpSocket::bind(any)
+        .and_then(|u| u.connect(sa).and_then(|_| u.local_addr()))
+        .map(|a| a.ip())
+        .unwrap_or(sa.ip()))
+}
+
+/// A listener for this rank's data connections, and its address as its card carries it.
+pub(crate) fn listen(cfg: &Config) -> Result<(TcpListener, String)> {
+    let ip = data_ip(cfg)?;
+    let l = crate::bootstrap::listen(SocketAddr::new(ip, 0))
+        .map_err(|e| Error::Bootstrap(format!("rank {} cannot listen on {ip}: {e}", cfg.rank)))?;
+    let text = l.local_addr()?.to_string();
+    Ok((l, text))
+}
+
+/// Connects rank `me`, listening on `listener`, to rank `peer` of a group listening at `addrs`
+/// and sharing `session`, as a transport does (dialing, answering, proving), within `within`:
+/// the proven connection, blocking. For a test that plays a rank by hand.
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
+pub fn connect_to(
+    me: usize,
+    listener: TcpListener,
+    addrs: Vec<SocketAddr>,
+    session: [u8; KEY],
+    peer: usize,
+    within: Duration,
+) -> Result<TcpStream> {
+    let mut d = Dialer::new(me, listener, addrs, session)?;
+    let until = Instant::now() + within;
+    let mut events = Vec::new();
+    loop {
+        d.dial(peer).map_err(|(_, why)| Error::Bootstrap(why))?;
+        d.step(&mut events)?;
+        for e in events.drain(..) {
+            match e {
+                Event::Up(p, s) if p == peer => {
+                    s.set_nonblocking(false)?;
+                    return Ok(s);
+                }
+                Event::Up(..) => {}
+                Event::Failed(_, why) => return Err(Error::Bootstrap(why)),
+            }
+        }
+        if Instant::now() >= until {
+            return Err(Error::Bootstrap(format!(
+                "rank {peer} did not connect within {within:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Idle turns of a wait between looks at the listener while no connection is under way: counted,
+/// not timed, since where the clocksource traps (an emulated CPU) a clock read on every turn
+/// slows small operations (docs/BENCHMARKS.md); a wait that naps looks after every nap too.
+const LOOK_EVERY: u32 = 256;
+
+/// When a wait looks at the listener: a peer may dial this rank while it waits on another.
+#[derive(Debug, Default)]
+pub(crate) struct Lookout {
+    turns: u32,
+}
+
+impl Lookout {
+    /// Counts an idle turn: whether this one looks.
+    pub(crate) fn due(&mut self) -> bool {
+        self.turns = self.turns.wrapping_add(1);
+        self.turns % LOOK_EVERY == 0
+    }
+}
+
+/// Appends the part of a card a dialer needs: how this rank connects (`RDMACOMM_CONNECT`) and
+/// where its data listener is (`addr`, from [`listen`]).
+pub(crate) fn put_reach(common: &mut Vec<u8>, cfg: &Config, addr: &str) {
+    common.extend_from_slice(&(cfg.connect as u32).to_le_bytes());
+    common.extend_from_slice(&(addr.len() as u32).to_le_bytes());
+    common.extend_from_slice(addr.as_bytes());
+}
+
+/// Reads what [`put_reach`] wrote into rank `p`'s card: its data listener's address, once its
+/// way of connecting is found to be this rank's (a rank that differs is named).
+pub(crate) fn read_reach(r: &mut Reader, p: usize, cfg: &Config) -> Result<SocketAddr> {
+    let connect = r.u32()?;
+    if connect != cfg.connect as u32 {
+        return Err(Error::Config(format!(
+            "rank {p} connects {} but rank {} {}: set RDMACOMM_CONNECT alike everywhere",
+            Connect::name_of(connect),
+            cfg.rank,
+            cfg.connect.name()
+        )));
+    }
+    let a = String::from_utf8_lossy(r.bytes()?).into_owned();
+    a.parse::<SocketAddr>()
+        .map_err(|_| Error::Bootstrap(format!("rank {p} sent a bad address {a:?}")))
+}
+
 /// Low latency and buffers large enough for a chunk in flight.
-pub(super) fn tune(s: &TcpStream) -> Result<()> {
+pub(crate) fn tune(s: &TcpStream) -> Result<()> {
     s.set_nodelay(true)?;
     let sr = socket2::SockRef::from(s);
     let _ = sr.set_send_buffer_size(4 << 20);
@@ -75,7 +208,7 @@ struct Inbound {
 }
 
 /// What changed in a [`Dialer::step`].
-pub(super) enum Event {
+pub(crate) enum Event {
     /// A peer's connection is up and proven both ways.
     Up(usize, TcpStream),
     /// A dial to a peer failed: the peer and why.
@@ -83,7 +216,7 @@ pub(super) enum Event {
 }
 
 /// One rank's listener and its dials: the connections of a TCP transport, made on demand.
-pub(super) struct Dialer {
+pub(crate) struct Dialer {
     me: usize,
     listener: TcpListener,
     addrs: Vec<SocketAddr>,
@@ -101,7 +234,7 @@ pub(super) struct Dialer {
 impl Dialer {
     /// A dialer for rank `me` listening on `listener` (non-blocking from here on), whose peers
     /// listen at `addrs` and share `session`.
-    pub(super) fn new(
+    pub(crate) fn new(
         me: usize,
         listener: TcpListener,
         addrs: Vec<SocketAddr>,
@@ -123,12 +256,12 @@ impl Dialer {
     }
 
     /// Whether a dial or an accepted connection is under way.
-    pub(super) fn busy(&self) -> bool {
+    pub(crate) fn busy(&self) -> bool {
         !self.inbound.is_empty() || self.under_way > 0
     }
 
     /// Starts a dial to `p` unless one is under way, `p` is up, or `p` keeps its own.
-    pub(super) fn dial(&mut self, p: usize) -> std::result::Result<(), (usize, String)> {
+    pub(crate) fn dial(&mut self, p: usize) -> std::result::Result<(), (usize, String)> {
         if self.up[p] || self.out[p].is_some() || p == self.me {
             return Ok(());
         }
@@ -148,7 +281,7 @@ impl Dialer {
     }
 
     /// The sockets a wait should wake on: the listener, and every connection under way.
-    pub(super) fn waits(&self) -> impl Iterator<Item = crate::sys::Wait> + '_ {
+    pub(crate) fn waits(&self) -> impl Iterator<Item = crate::sys::Wait> + '_ {
         let listen = std::iter::once(crate::sys::Wait {
             fd: self.listener.as_raw_fd(),
             read: true,
@@ -179,7 +312,7 @@ impl Dialer {
     /// failed goes to `events`. Returns whether a peer came up (or a dial failed): only that is
     /// progress, so that neither a stranger's connection nor a dial shed and made again holds a
     /// wait off its deadline.
-    pub(super) fn step(&mut self, events: &mut Vec<Event>) -> Result<bool> {
+    pub(crate) fn step(&mut self, events: &mut Vec<Event>) -> Result<bool> {
         let before = events.len();
         self.accept();
         if self.under_way > 0 {
@@ -193,11 +326,15 @@ impl Dialer {
                 i += 1;
             }
         }
-        self.under_way = self
-            .out
-            .iter()
-            .filter(|o| matches!(o, Some(Outgoing::Connecting(_) | Outgoing::Proving { .. })))
-            .count();
+        // Only a dial under way can end in a step (none starts in one): no walk over the world
+        // when none was.
+        if self.under_way > 0 {
+            self.under_way = self
+                .out
+                .iter()
+                .filter(|o| matches!(o, Some(Outgoing::Connecting(_) | Outgoing::Proving { .. })))
+                .count();
+        }
         Ok(events.len() > before)
     }
 
@@ -404,6 +541,33 @@ mod tests {
         let mut buf = [0u8; 4];
         b.read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"ping");
+    }
+
+    #[test]
+    fn a_card_that_connects_otherwise_or_sends_a_bad_address_is_named() {
+        let mine = Config::defaults(0, 2, "127.0.0.1:1");
+        let mut theirs = mine.clone();
+        theirs.connect = Connect::Eager;
+        let mut card = Vec::new();
+        put_reach(&mut card, &mine, "127.0.0.1:4000");
+        let at = read_reach(&mut Reader(&card), 1, &mine).unwrap();
+        assert_eq!(at, SocketAddr::from(([127, 0, 0, 1], 4000)));
+        let mut other = Vec::new();
+        put_reach(&mut other, &theirs, "127.0.0.1:4000");
+        let e = read_reach(&mut Reader(&other), 1, &mine)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 1 connects eager") && e.contains("RDMACOMM_CONNECT"),
+            "{e}"
+        );
+        let mut bad = Vec::new();
+        put_reach(&mut bad, &mine, "nowhere");
+        let e = read_reach(&mut Reader(&bad), 1, &mine)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 1 sent a bad address"), "{e}");
+        assert!(read_reach(&mut Reader(&card[..5]), 1, &mine).is_err());
     }
 
     #[test]
