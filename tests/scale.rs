@@ -456,3 +456,150 @@ fn dups_share_the_open_device() {
         );
     }
 }
+
+/// The peers a world wider than `RDMACOMM_PEERS_MAX` allows is run over in this body, for rank
+/// r of n: Bruck's r +- 2^k, and the binomial trees' parent and children at roots 1, 2, n - 1.
+fn wide_partners(r: usize, n: usize) -> std::collections::BTreeSet<usize> {
+    let mut p = std::collections::BTreeSet::new();
+    let mut k = 1;
+    while k < n {
+        p.insert((r + k) % n);
+        p.insert((r + n - k) % n);
+        k <<= 1;
+    }
+    for root in [1, 2, n - 1] {
+        let v = (r + n - root) % n;
+        let low = if v == 0 {
+            n.next_power_of_two()
+        } else {
+            v & v.wrapping_neg()
+        };
+        if v != 0 {
+            p.insert((v - low + root) % n);
+        }
+        let mut k = 1;
+        while k < low && v + k < n {
+            p.insert((v + k + root) % n);
+            k <<= 1;
+        }
+    }
+    p
+}
+
+/// all_to_all, all_to_allv, gather (to n - 1), scatter (from 1) and a 512 KiB reduce (to 2),
+/// each checked against a scalar reference.
+fn wide_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    let byte = |from: usize, to: usize, i: usize| (from * 31 + to * 7 + i) as u8;
+    let block = 3000;
+    let input: Vec<u8> = (0..n)
+        .flat_map(|q| (0..block).map(move |i| byte(r, q, i)))
+        .collect();
+    let mut output = vec![0u8; n * block];
+    c.all_to_all(&input, &mut output)
+        .unwrap_or_else(|e| panic!("rank {r}: all_to_all: {e}"));
+    for q in 0..n {
+        let want: Vec<u8> = (0..block).map(|i| byte(q, r, i)).collect();
+        assert_eq!(
+            &output[q * block..(q + 1) * block],
+            &want[..],
+            "rank {r}: from {q}"
+        );
+    }
+    // Uneven blocks, some empty: (from * 3 + to * 5) % 4 hundred bytes.
+    let len = |from: usize, to: usize| (from * 3 + to * 5) % 4 * 100;
+    let send_lens: Vec<usize> = (0..n).map(|q| len(r, q)).collect();
+    let recv_lens: Vec<usize> = (0..n).map(|q| len(q, r)).collect();
+    let input: Vec<u8> = (0..n)
+        .flat_map(|q| (0..len(r, q)).map(move |i| byte(r, q, i)))
+        .collect();
+    let mut output = vec![0u8; recv_lens.iter().sum()];
+    c.all_to_allv(&input, &send_lens, &mut output, &recv_lens)
+        .unwrap_or_else(|e| panic!("rank {r}: all_to_allv: {e}"));
+    let want: Vec<u8> = (0..n)
+        .flat_map(|q| (0..len(q, r)).map(move |i| byte(q, r, i)))
+        .collect();
+    assert_eq!(output, want, "rank {r}: all_to_allv");
+    let (groot, sroot, rroot) = (n - 1, 1, 2);
+    let mine: Vec<u8> = (0..1000).map(|i| byte(r, groot, i)).collect();
+    let mut all = vec![0u8; if r == groot { n * 1000 } else { 0 }];
+    c.gather(groot, &mine, &mut all)
+        .unwrap_or_else(|e| panic!("rank {r}: gather: {e}"));
+    if r == groot {
+        for q in 0..n {
+            let want: Vec<u8> = (0..1000).map(|i| byte(q, groot, i)).collect();
+            assert_eq!(&all[q * 1000..(q + 1) * 1000], &want[..], "gathered {q}");
+        }
+    }
+    let src: Vec<u8> = if r == sroot {
+        (0..n)
+            .flat_map(|q| (0..1000).map(move |i| byte(sroot, q, i)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut got = vec![0u8; 1000];
+    c.scatter(sroot, &src, &mut got)
+        .unwrap_or_else(|e| panic!("rank {r}: scatter: {e}"));
+    let want: Vec<u8> = (0..1000).map(|i| byte(sroot, r, i)).collect();
+    assert_eq!(got, want, "rank {r}: scatter");
+    let val = |q: usize, i: usize| ((q * 131 + i * 7) % 1009) as f32;
+    let mut d: Vec<f32> = (0..128 << 10).map(|i| val(r, i)).collect();
+    c.reduce(
+        rroot,
+        AllReduce::Sum,
+        DType::f32,
+        bytemuck::cast_slice_mut(&mut d),
+    )
+    .unwrap_or_else(|e| panic!("rank {r}: reduce: {e}"));
+    if r == rroot {
+        for (i, &x) in d.iter().enumerate() {
+            let want: f32 = (0..n).map(|q| val(q, i)).sum();
+            assert_eq!(x, want, "reduce element {i}");
+        }
+    }
+    println!("RESULT rank {r}: CHECKED");
+}
+
+/// With `RDMACOMM_PEERS_MAX=3`, 16 ranks run all_to_all(v), gather, scatter and reduce as
+/// trees: each rank connects exactly the trees' partners (7 to 10 of its 15 peers; every one
+/// of them before, 15), over TCP on the host and RDMA on three VM hosts.
+#[test]
+fn operations_with_every_peer_stay_within_peers_max() {
+    const NAME: &str = "operations_with_every_peer_stay_within_peers_max";
+    if !parent_ready(NAME, wide_body) {
+        return;
+    }
+    let (transport, placement) = if require_rdma() {
+        if !on_three_vm_hosts() {
+            return;
+        }
+        ("rdma", Placement::Hosts)
+    } else {
+        ("tcp", Placement::Local)
+    };
+    let n = 16;
+    let cap = |_| vec![("RDMACOMM_PEERS_MAX", "3".to_string())];
+    let held = run_on(NAME, n, placement, transport, "on-demand", &cap);
+    for (r, (_, (_, _, conns))) in held.into_iter().enumerate() {
+        let want = wide_partners(r, n).len();
+        assert!(want < n - 1, "rank {r}: the trees use {want} peers");
+        assert_eq!(conns, want, "rank {r}: connections at the close");
+    }
+}
+
+/// The trees over shared memory (no connection to count): every result checked.
+#[test]
+fn operations_with_every_peer_run_as_trees_over_shared_memory() {
+    const NAME: &str = "operations_with_every_peer_run_as_trees_over_shared_memory";
+    if !parent_ready(NAME, wide_body) {
+        return;
+    }
+    if require_rdma() {
+        println!("SKIPPED: runs on the host");
+        return;
+    }
+    let cap = |_| vec![("RDMACOMM_PEERS_MAX", "2".to_string())];
+    run_on(NAME, 7, Placement::Local, "shm", "on-demand", &cap);
+}

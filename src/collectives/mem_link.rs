@@ -20,6 +20,8 @@ pub(crate) struct MemLink {
     chunk: usize,
     props: crate::transport::Props,
     idle_since: Instant,
+    /// The peers posted to or taken from (an algorithm's partners).
+    pub(crate) used: std::collections::BTreeSet<usize>,
 }
 
 /// How long a wait without progress lasts before it fails (a deadlock in an algorithm).
@@ -40,6 +42,7 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
                 ..crate::transport::Props::new(me, n, chunk, crate::transport::Medium::Memory)
             },
             idle_since: Instant::now(),
+            used: Default::default(),
         })
         .collect()
 }
@@ -84,6 +87,7 @@ impl Link for MemLink {
     fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
         assert!(peer != self.me && peer < self.n, "post to {peer}");
         assert!(data.len() <= self.chunk, "a chunk of {} bytes", data.len());
+        self.used.insert(peer);
         {
             let mut q = self.queue(self.me, peer).lock().unwrap();
             if q.len() >= self.slots {
@@ -96,6 +100,7 @@ impl Link for MemLink {
     }
     fn try_take(&mut self, peer: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
         assert!(peer != self.me && peer < self.n, "take from {peer}");
+        self.used.insert(peer);
         let chunk = self.queue(peer, self.me).lock().unwrap().pop_front();
         match chunk {
             Some(c) => {

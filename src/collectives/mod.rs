@@ -1,6 +1,8 @@
 //! Collective algorithms over a [`crate::transport::Link`]; they know nothing of RDMA.
 
 pub mod bcast;
+pub mod binomial;
+pub mod bruck;
 pub mod direct;
 pub mod exchange;
 pub(crate) mod gate;

@@ -129,7 +129,7 @@ pub enum BlockAt<'a> {
 }
 
 impl BlockAt<'_> {
-    fn range(&self, q: usize) -> std::ops::Range<usize> {
+    pub(crate) fn range(&self, q: usize) -> std::ops::Range<usize> {
         match *self {
             BlockAt::Equal(b) => q * b..(q + 1) * b,
             BlockAt::Listed(o) => o[q]..o[q + 1],

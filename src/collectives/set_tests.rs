@@ -4,7 +4,7 @@
 
 use super::mem_link::{bytes, f32s, mesh, on_every_rank};
 use super::rooted::BlockAt;
-use super::{exchange, ring, rooted};
+use super::{binomial, bruck, exchange, ring, rooted};
 use crate::dtype::{AllReduce, DType};
 use crate::transport::Link as _;
 
@@ -228,6 +228,127 @@ fn uneven_all_gather_and_reduce_scatter() {
                         .map(|i| (0..n).map(|q| value(q, i)).sum())
                         .collect();
                     assert_eq!(part, &want, "reduce_scatter_v {what}: rank {r}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bruck_all_to_all_with_equal_uneven_and_empty_blocks_over_log_partners() {
+    for n in 1..=9 {
+        for (slots, chunk) in LINKS {
+            for (scale, even) in [(0, true), (1, true), (300, true), (1, false), (90, false)] {
+                let len = move |from: usize, to: usize| {
+                    if even {
+                        scale
+                    } else {
+                        block_len(from, to, scale)
+                    }
+                };
+                let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                    let r = l.rank();
+                    let so = rooted::offsets(&(0..n).map(|q| len(r, q)).collect::<Vec<_>>());
+                    let ro = rooted::offsets(&(0..n).map(|q| len(q, r)).collect::<Vec<_>>());
+                    let input: Vec<u8> = (0..n)
+                        .flat_map(|q| (0..len(r, q)).map(move |i| byte(r, q, i)))
+                        .collect();
+                    let mut output = vec![0u8; ro[n]];
+                    let (send_at, recv_at) = if even {
+                        (BlockAt::Equal(scale), BlockAt::Equal(scale))
+                    } else {
+                        (BlockAt::Listed(&so), BlockAt::Listed(&ro))
+                    };
+                    let mut counters = Vec::new();
+                    bruck::all_to_all(l, &input, send_at, &mut output, recv_at, &mut counters)
+                        .unwrap();
+                    (output, l.used.clone())
+                });
+                for (r, (got, used)) in out.iter().enumerate() {
+                    let what = format!(
+                        "bruck all_to_all (even {even}, x{scale}) on {n} ranks, {slots} x {chunk} \
+                         B: rank {r}"
+                    );
+                    let want: Vec<u8> = (0..n)
+                        .flat_map(|q| (0..len(q, r)).map(move |i| byte(q, r, i)))
+                        .collect();
+                    assert_eq!(got, &want, "{what}");
+                    let partners = bruck::partners(r, n);
+                    assert!(
+                        used.iter().all(|p| partners.contains(p)),
+                        "{what}: {used:?}"
+                    );
+                    assert!(partners.len() <= 2 * (n.max(1).ilog2() as usize + 1));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bruck_all_to_allv_names_the_rank_whose_block_differs() {
+    // Rank 1 sends rank 0 five bytes where rank 0 expects four: rank 0 names rank 1.
+    let n = 5;
+    let out = on_every_rank(mesh(n, 2, 64, None), move |l| {
+        let r = l.rank();
+        let send: Vec<usize> = (0..n)
+            .map(|q| if (r, q) == (1, 0) { 5 } else { 4 })
+            .collect();
+        let (so, ro) = (rooted::offsets(&send), rooted::offsets(&[4; 5]));
+        let input = vec![r as u8; so[n]];
+        let mut output = vec![0u8; ro[n]];
+        let (send_at, recv_at) = (BlockAt::Listed(&so), BlockAt::Listed(&ro));
+        bruck::all_to_all(l, &input, send_at, &mut output, recv_at, &mut Vec::new())
+    });
+    match &out[0] {
+        Err(crate::Error::LengthMismatch { from, got, want }) => {
+            assert_eq!((*from, *got, *want), (1, 5, 4))
+        }
+        other => panic!("rank 0: {other:?}"),
+    }
+    assert!(out[1..].iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn binomial_gather_and_scatter_at_every_root_over_log_partners() {
+    for n in 1..=9 {
+        for (slots, chunk) in LINKS {
+            for root in 0..n {
+                for len in [0usize, 3, 700] {
+                    let out = on_every_rank(mesh(n, slots, chunk, None), move |l| {
+                        let r = l.rank();
+                        let mine: Vec<u8> = (0..len).map(|i| byte(r, root, i)).collect();
+                        let mut all = vec![0u8; if r == root { n * len } else { 0 }];
+                        let (mut held, mut counters) = (Vec::new(), Vec::new());
+                        binomial::gather(l, root, &mine, &mut all, &mut held, &mut counters)
+                            .unwrap();
+                        let src: Vec<u8> = if r == root {
+                            (0..n)
+                                .flat_map(|q| (0..len).map(move |i| byte(root, q, i)))
+                                .collect()
+                        } else {
+                            Vec::new()
+                        };
+                        let mut got = vec![0u8; len];
+                        binomial::scatter(l, root, &src, &mut got, &mut held, &mut counters)
+                            .unwrap();
+                        (all, got, l.used.clone())
+                    });
+                    let what = format!("root {root} on {n} ranks, {slots} x {chunk} B, {len} B");
+                    let want: Vec<u8> = (0..n)
+                        .flat_map(|q| (0..len).map(move |i| byte(q, root, i)))
+                        .collect();
+                    assert_eq!(out[root].0, want, "tree gather to {what}");
+                    for (r, (_, got, used)) in out.iter().enumerate() {
+                        let want: Vec<u8> = (0..len).map(|i| byte(root, r, i)).collect();
+                        assert_eq!(got, &want, "tree scatter from {what}: rank {r}");
+                        let partners = binomial::partners(r, n, root);
+                        assert!(
+                            used.iter().all(|p| partners.contains(p)),
+                            "{what}: {used:?}"
+                        );
+                        assert!(partners.len() <= n.max(1).ilog2() as usize + 1, "{what}");
+                    }
                 }
             }
         }

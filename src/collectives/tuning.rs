@@ -92,6 +92,13 @@ pub fn all_to_all_pairwise_min(medium: Medium, n: usize) -> usize {
     }
 }
 
+/// Whether an operation that exchanges with every other rank (all_to_all, gather and scatter
+/// at the root, reduce's gather of parts) stays within `peers_max` connections on `n` ranks;
+/// where not, it runs as a tree of log2(n) peers (`bruck`, `binomial`).
+pub fn every_peer_fits(n: usize, peers_max: usize) -> bool {
+    n.saturating_sub(1) <= peers_max
+}
+
 /// Whether `Bcast::Auto` broadcasts `bytes` to `n` ranks as a binomial tree (fewer hops)
 /// rather than the pipelined chain. Measured on 4 ranks over lo-rxe: the tree up to 8 KiB on
 /// more than 2 ranks (docs/DESIGN.md).
@@ -133,6 +140,7 @@ mod tests {
         assert_eq!(all_to_all_pairwise_min(Medium::Tcp, 4), 8 << 20);
         assert_eq!(all_to_all_pairwise_min(Medium::Rdma, 8), usize::MAX);
         assert_eq!(all_to_all_pairwise_min(Medium::Rdma, 9), 1 << 20);
+        assert!(every_peer_fits(5, 4) && !every_peer_fits(6, 4) && every_peer_fits(1, 0));
         assert!(broadcast_tree(4, 8 << 10) && !broadcast_tree(4, (8 << 10) + 1));
         assert!(!broadcast_tree(2, 8));
         assert!(sum_scatter_halving(8) && !sum_scatter_halving(6));

@@ -12,12 +12,12 @@ use crate::api::{
 };
 use crate::bootstrap::rendezvous::Card;
 use crate::collectives::{
-    bcast, direct, exchange, halving, hier, p2p, ring, rooted, tuning, Scratch,
+    bcast, binomial, bruck, direct, exchange, halving, hier, p2p, ring, rooted, tuning, Scratch,
 };
 use crate::config::{Bcast, Config};
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Peer, Result};
-use crate::transport::op::{OpDesc, OpKind, Partners};
+use crate::transport::op::{self, OpDesc, OpKind, Partners};
 use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -112,6 +112,8 @@ pub struct Comm {
     layout: Option<hier::Layout>,
     /// What the link moves bytes over (fixed for its life; `None` alone).
     medium: Option<crate::transport::Medium>,
+    /// The most peers an operation may connect at once: the setting, else the link's bound.
+    peers_max: usize,
     /// The transport in words (kept: reading it from the link would wait for an operation, or,
     /// under caller progress, for the caller's next call on one).
     described: Option<String>,
@@ -154,6 +156,10 @@ impl Comm {
         });
         let abort_request = link.as_mut().map(|l| l.watch_mut().abort_request());
         let medium = link.as_ref().map(|l| l.props().medium);
+        let peers_max = cfg
+            .peers_max
+            .or(link.as_ref().map(|l| l.props().peers_max))
+            .unwrap_or(usize::MAX);
         let described = link.as_ref().map(|l| l.describe());
         if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
             summarise(&cfg, l.local_rank(), d, algo, l.holds());
@@ -168,6 +174,7 @@ impl Comm {
         Comm {
             layout,
             medium,
+            peers_max,
             described,
             abort_request,
             me,

@@ -276,6 +276,8 @@ impl Request<'_, '_> {
     pub fn desc(&self, c: &Comm) -> OpDesc {
         let n = c.size;
         let medium = || c.medium.expect("a link beyond a world of one");
+        // Whether an operation with every peer stays within the peers a rank may hold.
+        let fits = tuning::every_peer_fits(n, c.peers_max);
         match self {
             Request::AllReduce { op, dtype, data } => OpDesc {
                 dtype: Some(*dtype),
@@ -301,21 +303,28 @@ impl Request<'_, '_> {
             Request::SendRecv { .. } | Request::Batch { .. } => OpDesc::new(OpKind::Batch, 0),
             Request::AllToAll { input, .. } => {
                 let block = input.len() / n;
-                let pairwise = block >= tuning::all_to_all_pairwise_min(medium(), n);
+                let algo = if !fits {
+                    op::TREE
+                } else {
+                    u8::from(block >= tuning::all_to_all_pairwise_min(medium(), n))
+                };
                 OpDesc {
-                    algo: u8::from(pairwise),
+                    algo,
                     ..OpDesc::new(OpKind::AllToAll, block)
                 }
             }
             // Lengths differ by rank, so the choice is all at once (each rank knows only its own).
-            Request::AllToAllV { .. } => OpDesc::new(OpKind::AllToAllV, 0),
+            Request::AllToAllV { .. } => OpDesc {
+                algo: if fits { 0 } else { op::TREE },
+                ..OpDesc::new(OpKind::AllToAllV, 0)
+            },
             Request::Reduce {
                 root,
                 op,
                 dtype,
                 data,
             } => {
-                let tree = n == 2 || data.len() <= tuning::reduce_tree_max(medium());
+                let tree = n == 2 || !fits || data.len() <= tuning::reduce_tree_max(medium());
                 OpDesc {
                     dtype: Some(*dtype),
                     reduce: Some(*op),
@@ -326,10 +335,12 @@ impl Request<'_, '_> {
             }
             Request::Gather { root, input, .. } => OpDesc {
                 root: *root,
+                algo: if fits { 0 } else { op::TREE },
                 ..OpDesc::new(OpKind::Gather, input.len())
             },
             Request::Scatter { root, output, .. } => OpDesc {
                 root: *root,
+                algo: if fits { 0 } else { op::TREE },
                 ..OpDesc::new(OpKind::Scatter, output.len())
             },
             Request::AllGatherV { output, .. } => OpDesc::new(OpKind::AllGatherV, output.len()),
@@ -418,6 +429,9 @@ impl Request<'_, '_> {
             ),
             Request::AllToAll { input, output } => {
                 let at = rooted::BlockAt::Equal(desc.bytes as usize);
+                if desc.algo == op::TREE {
+                    return bruck::all_to_all(l, input, at, output, at, &mut scratch.counters);
+                }
                 rooted::all_to_all(
                     l,
                     input,
@@ -442,6 +456,9 @@ impl Request<'_, '_> {
                 offsets_onto(recv_lens, index);
                 let (so, ro) = index.split_at(send_lens.len() + 1);
                 let (send_at, recv_at) = (rooted::BlockAt::Listed(so), rooted::BlockAt::Listed(ro));
+                if desc.algo == op::TREE {
+                    return bruck::all_to_all(l, input, send_at, output, recv_at, counters);
+                }
                 rooted::all_to_all(l, input, send_at, output, recv_at, false, counters)
             }
             Request::Reduce {
@@ -460,12 +477,28 @@ impl Request<'_, '_> {
                 root,
                 input,
                 output,
-            } => rooted::gather(l, root, input, output, &mut scratch.counters),
+            } => {
+                if desc.algo == op::TREE {
+                    let Scratch {
+                        bytes, counters, ..
+                    } = scratch;
+                    return binomial::gather(l, root, input, output, bytes, counters);
+                }
+                rooted::gather(l, root, input, output, &mut scratch.counters)
+            }
             Request::Scatter {
                 root,
                 input,
                 output,
-            } => rooted::scatter(l, root, input, output, &mut scratch.counters),
+            } => {
+                if desc.algo == op::TREE {
+                    let Scratch {
+                        bytes, counters, ..
+                    } = scratch;
+                    return binomial::scatter(l, root, input, output, bytes, counters);
+                }
+                rooted::scatter(l, root, input, output, &mut scratch.counters)
+            }
             Request::AllGatherV {
                 input,
                 output,

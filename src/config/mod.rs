@@ -127,6 +127,11 @@ pub struct Config {
     pub poll: Poll,
     /// When TCP connections are made (`RDMACOMM_CONNECT`, default on demand).
     pub connect: Connect,
+    /// The most peers an all_to_all, gather or scatter connects at once
+    /// (`RDMACOMM_PEERS_MAX`; unset: as many as the transport's memory bound holds,
+    /// [`crate::transport::Props::peers_max`]). Wider worlds run those as trees of log2(n)
+    /// peers.
+    pub peers_max: Option<usize>,
     /// Smallest buffer an operation registers for zero-copy RDMA sends (`RDMACOMM_ZERO_COPY_MIN`;
     /// 0, the default, never: on soft-RoCE it ties with staging, and on an HCA registering per
     /// call costs about what the copy it saves does; see docs/DESIGN.md).
@@ -238,6 +243,7 @@ impl Config {
             bcast: Bcast::Auto,
             poll: Poll::Auto,
             connect: Connect::OnDemand,
+            peers_max: None,
             zero_copy_min: 0,
             ib_timeout: None,
             ib_retry: None,

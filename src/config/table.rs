@@ -29,7 +29,7 @@ const fn set(name: &'static str, apply: fn(&mut Config, &str) -> Result<()>) -> 
 
 /// Every setting; applied in this order (`RDMACOMM_SLOTS` before `RDMACOMM_SLOT_BYTES`, whose
 /// default follows it).
-pub(crate) const SETTINGS: [Setting; 32] = [
+pub(crate) const SETTINGS: [Setting; 33] = [
     set("RDMACOMM_JOB_ID", |c, _| {
         c.job_id = job_id_from_env();
         Ok(())
@@ -108,6 +108,16 @@ pub(crate) const SETTINGS: [Setting; 32] = [
     }),
     set("RDMACOMM_CONNECT", |c, v| {
         c.connect = Connect::parse(v.trim())?;
+        Ok(())
+    }),
+    set("RDMACOMM_PEERS_MAX", |c, v| {
+        c.peers_max = Some(v.trim().parse().map_err(|_| {
+            bad(
+                "RDMACOMM_PEERS_MAX",
+                v,
+                "a number of peers (0: always trees)",
+            )
+        })?);
         Ok(())
     }),
     set("RDMACOMM_ZERO_COPY_MIN", |c, v| {
@@ -227,9 +237,11 @@ mod tests {
             ("RDMACOMM_SHM", "0"),
             ("RDMACOMM_IB_RETRY", "3"),
             ("RDMACOMM_CONNECT", "eager"),
+            ("RDMACOMM_PEERS_MAX", "12"),
         ]);
         apply(&mut c, &get).unwrap();
         assert_eq!(c.connect, Connect::Eager);
+        assert_eq!(c.peers_max, Some(12));
         assert_eq!(c.slots, 8);
         assert_eq!(c.slot_bytes, default_slot_bytes(2, 8), "follows the slots");
         assert_eq!(c.timeout, Duration::from_millis(2500));
@@ -244,6 +256,7 @@ mod tests {
             ("RDMACOMM_TIMEOUT", "0", "0.001 to 1e9"),
             ("RDMACOMM_SLOTS", "many", "number"),
             ("RDMACOMM_CONNECT", "later", "on-demand or eager"),
+            ("RDMACOMM_PEERS_MAX", "-1", "number of peers"),
         ] {
             let mut c = Config::defaults(0, 2, "127.0.0.1:1");
             match apply(&mut c, &table(&[(name, v)])) {

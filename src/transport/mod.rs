@@ -40,7 +40,16 @@ pub struct Props {
     /// Whether a take hands back what a peer's next post waits for (RDMA credits, a ring's
     /// slot), so that a peer out of room is held up until this rank takes.
     pub takes_return_credits: bool,
+    /// The most peers this rank can hold connections to within its memory bound (the buffers a
+    /// connection costs: [`PEER_MEMORY`] over one connection's); `usize::MAX` where a peer costs
+    /// none of its own. An operation that would exchange with more (an all_to_all, a gather or
+    /// a scatter on a wide world) runs as a tree of log2(n) peers instead.
+    pub peers_max: usize,
 }
+
+/// Bytes of per-peer buffers (registered RDMA slots, TCP receive buffers) a rank's
+/// connections may hold together with the defaults, whatever the world size.
+pub const PEER_MEMORY: usize = 64 << 20;
 
 impl Props {
     /// A link of `size` ranks over `medium` whose peers are reached alike and whose takes
@@ -54,6 +63,7 @@ impl Props {
             shares_memory: false,
             hosts: None,
             takes_return_credits: false,
+            peers_max: usize::MAX,
         }
     }
 }

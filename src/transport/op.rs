@@ -164,6 +164,10 @@ impl Partners<'_> {
 
 pub use crate::config::{ALL_REDUCE_ALGOS, BROADCAST_ALGOS};
 
+/// The `algo` of an all_to_all(v), gather or scatter run as a tree of log2(n) peers (Bruck's
+/// all_to_all, a binomial gather or scatter): a world wider than the peers a rank may hold.
+pub const TREE: u8 = 2;
+
 impl OpDesc {
     /// A descriptor with no dtype, reduction, algorithm or root.
     pub fn new(kind: OpKind, bytes: usize) -> OpDesc {
@@ -232,6 +236,10 @@ impl OpDesc {
         let names: &[&str] = match self.kind {
             OpKind::AllReduce => &ALL_REDUCE_ALGOS,
             OpKind::Broadcast => &BROADCAST_ALGOS,
+            OpKind::AllToAll => &["every peer at once", "pairwise", "bruck"],
+            OpKind::AllToAllV => &["every peer at once", "pairwise", "bruck"],
+            OpKind::Gather | OpKind::Scatter => &["every peer at once", "(none)", "tree"],
+            OpKind::Reduce => &["tree", "ring and gather"],
             OpKind::Split => return format!("step {}", self.algo),
             _ => &[],
         };

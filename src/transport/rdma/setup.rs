@@ -84,6 +84,7 @@ impl RdmaTransport {
         // A peer waits for our credits once its slots are full; we return them as we take.
         let props = Props {
             takes_return_credits: true,
+            peers_max: crate::transport::PEER_MEMORY / layout.total(),
             ..Props::new(cfg.rank, cfg.world_size, layout.slot, Medium::Rdma)
         };
         let mut t = RdmaTransport {

@@ -114,7 +114,11 @@ impl TcpTransport {
             timeout: cfg.timeout,
             fds: Vec::with_capacity(n),
             numbering: Numbering::new(cfg.rank, n),
-            props: Props::new(cfg.rank, n, chunk, Medium::Tcp),
+            props: Props {
+                // Each connection's receive buffer holds four chunks.
+                peers_max: crate::transport::PEER_MEMORY / (4 * (chunk + super::HDR)),
+                ..Props::new(cfg.rank, n, chunk, Medium::Tcp)
+            },
             dialer,
             events: Vec::new(),
             lookout: Lookout::default(),
