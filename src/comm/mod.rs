@@ -162,7 +162,7 @@ impl Comm {
             .unwrap_or(usize::MAX);
         let described = link.as_ref().map(|l| l.describe());
         if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
-            summarise(&cfg, l.local_rank(), d, algo, l.holds());
+            summarise(&cfg, l.local_rank(), d, algo, peers_max, l.holds());
         }
         let me = link.as_ref().map_or(
             Peer {

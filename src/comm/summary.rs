@@ -9,11 +9,17 @@ pub(super) fn summarise(
     (local, nlocal): (usize, usize),
     described: &str,
     algo: Algo,
+    peers_max: usize,
     holds: crate::transport::Holdings,
 ) {
     if !log::log_enabled!(log::Level::Info) {
         return;
     }
+    let peers = if peers_max == usize::MAX {
+        "no peer bound".to_string()
+    } else {
+        format!("trees past {peers_max} peers")
+    };
     if cfg.rank == 0 {
         let job = if cfg.job_id.is_empty() {
             "(no job id)".to_string()
@@ -31,8 +37,8 @@ pub(super) fn summarise(
     log::info!(
         "rank {} of {}: {described}; {nlocal} ranks on this host (local rank {local}), host id \
          {:?}; RDMA slots {} x {} B, TCP chunk {} B, zero-copy from {} B; all_reduce {algo:?} \
-         (recursive doubling up to {} B), broadcast {:?}; progress {:?}, polling {:?}; holds \
-         {holds}",
+         (recursive doubling up to {} B), broadcast {:?}; all_to_all, gather and scatter: \
+         {peers}; progress {:?}, polling {:?}; holds {holds}",
         cfg.rank,
         cfg.world_size,
         cfg.host_id,
