@@ -486,26 +486,25 @@ fn wide_partners(r: usize, n: usize) -> std::collections::BTreeSet<usize> {
     p
 }
 
-/// all_to_all, all_to_allv, gather (to n - 1), scatter (from 1) and a 512 KiB reduce (to 2),
-/// each checked against a scalar reference.
+/// all_to_all (3000 and 140 000 B blocks), all_to_allv, gather (to n - 1), scatter (from 1)
+/// and a 512 KiB reduce (to 2), each checked against a scalar reference.
 fn wide_body() {
     let (r, n) = rank_size();
     let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
     let byte = |from: usize, to: usize, i: usize| (from * 31 + to * 7 + i) as u8;
-    let block = 3000;
-    let input: Vec<u8> = (0..n)
-        .flat_map(|q| (0..block).map(move |i| byte(r, q, i)))
-        .collect();
-    let mut output = vec![0u8; n * block];
-    c.all_to_all(&input, &mut output)
-        .unwrap_or_else(|e| panic!("rank {r}: all_to_all: {e}"));
-    for q in 0..n {
-        let want: Vec<u8> = (0..block).map(|i| byte(q, r, i)).collect();
-        assert_eq!(
-            &output[q * block..(q + 1) * block],
-            &want[..],
-            "rank {r}: from {q}"
-        );
+    // Blocks packed into a message a step, and blocks of their own (past half a chunk).
+    for block in [3000, 140_000] {
+        let input: Vec<u8> = (0..n)
+            .flat_map(|q| (0..block).map(move |i| byte(r, q, i)))
+            .collect();
+        let mut output = vec![0u8; n * block];
+        c.all_to_all(&input, &mut output)
+            .unwrap_or_else(|e| panic!("rank {r}: all_to_all: {e}"));
+        for q in 0..n {
+            let want: Vec<u8> = (0..block).map(|i| byte(q, r, i)).collect();
+            let got = &output[q * block..(q + 1) * block];
+            assert!(got == &want[..], "rank {r}: {block} B from {q}");
+        }
     }
     // Uneven blocks, some empty: (from * 3 + to * 5) % 4 hundred bytes.
     let len = |from: usize, to: usize| (from * 3 + to * 5) % 4 * 100;

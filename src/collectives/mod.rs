@@ -35,6 +35,8 @@ pub struct Scratch {
     pub counters: Vec<usize>,
     /// A batch's sends' then receives' positions among its operations.
     pub index: Vec<usize>,
+    /// Bruck's all_to_all's buffers.
+    pub bruck: bruck::Buffers,
 }
 
 impl std::ops::Deref for Scratch {

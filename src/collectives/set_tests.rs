@@ -259,9 +259,21 @@ fn bruck_all_to_all_with_equal_uneven_and_empty_blocks_over_log_partners() {
                     } else {
                         (BlockAt::Listed(&so), BlockAt::Listed(&ro))
                     };
-                    let mut counters = Vec::new();
-                    bruck::all_to_all(l, &input, send_at, &mut output, recv_at, &mut counters)
+                    let (mut bufs, mut counters) = Default::default();
+                    // Twice, reusing the buffers: the second call must not see the first's.
+                    for _ in 0..2 {
+                        output.fill(0);
+                        bruck::all_to_all(
+                            l,
+                            &input,
+                            send_at,
+                            &mut output,
+                            recv_at,
+                            &mut bufs,
+                            &mut counters,
+                        )
                         .unwrap();
+                    }
                     (output, l.used.clone())
                 });
                 for (r, (got, used)) in out.iter().enumerate() {
@@ -298,7 +310,16 @@ fn bruck_all_to_allv_names_the_rank_whose_block_differs() {
         let input = vec![r as u8; so[n]];
         let mut output = vec![0u8; ro[n]];
         let (send_at, recv_at) = (BlockAt::Listed(&so), BlockAt::Listed(&ro));
-        bruck::all_to_all(l, &input, send_at, &mut output, recv_at, &mut Vec::new())
+        let mut bufs = Default::default();
+        bruck::all_to_all(
+            l,
+            &input,
+            send_at,
+            &mut output,
+            recv_at,
+            &mut bufs,
+            &mut Vec::new(),
+        )
     });
     match &out[0] {
         Err(crate::Error::LengthMismatch { from, got, want }) => {

@@ -430,7 +430,10 @@ impl Request<'_, '_> {
             Request::AllToAll { input, output } => {
                 let at = rooted::BlockAt::Equal(desc.bytes as usize);
                 if desc.algo == op::TREE {
-                    return bruck::all_to_all(l, input, at, output, at, &mut scratch.counters);
+                    let Scratch {
+                        bruck, counters, ..
+                    } = scratch;
+                    return bruck::all_to_all(l, input, at, output, at, bruck, counters);
                 }
                 rooted::all_to_all(
                     l,
@@ -449,7 +452,10 @@ impl Request<'_, '_> {
                 recv_lens,
             } => {
                 let Scratch {
-                    index, counters, ..
+                    index,
+                    counters,
+                    bruck,
+                    ..
                 } = scratch;
                 index.clear();
                 offsets_onto(send_lens, index);
@@ -457,7 +463,7 @@ impl Request<'_, '_> {
                 let (so, ro) = index.split_at(send_lens.len() + 1);
                 let (send_at, recv_at) = (rooted::BlockAt::Listed(so), rooted::BlockAt::Listed(ro));
                 if desc.algo == op::TREE {
-                    return bruck::all_to_all(l, input, send_at, output, recv_at, counters);
+                    return bruck::all_to_all(l, input, send_at, output, recv_at, bruck, counters);
                 }
                 rooted::all_to_all(l, input, send_at, output, recv_at, false, counters)
             }
