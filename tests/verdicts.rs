@@ -74,6 +74,49 @@ fn a_late_receiver_is_not_a_mismatch() {
     }
 }
 
+/// Rank 0 sends 120 messages of 8 bytes (each lands in a mailbox, with no completion to poll);
+/// rank 1 computes 20 ms before each receive, so every chunk has landed when it takes it and it
+/// never waits: it only takes, returning credits. Both must succeed with every byte intact (a
+/// receiver that never polled its completions would fill its send queue with credit writes).
+fn slow_consumer_body() {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap();
+    let msg = |k: usize| -> Vec<u8> { (0..8).map(|i| pattern(k, i)).collect() };
+    for k in 0..120 {
+        if r == 0 {
+            c.send(1, &msg(k)).unwrap();
+        } else {
+            let spin = Instant::now();
+            while spin.elapsed() < Duration::from_millis(20) {
+                std::hint::spin_loop();
+            }
+            let mut b = vec![0u8; 8];
+            c.recv(0, &mut b)
+                .unwrap_or_else(|e| panic!("rank 1: message {k}: {e}"));
+            assert_eq!(b, msg(k), "message {k}");
+        }
+    }
+    c.barrier().unwrap();
+    println!("SLOW-OK rank {r}");
+}
+
+#[test]
+fn a_receiver_that_never_waits_is_not_failed() {
+    const NAME: &str = "a_receiver_that_never_waits_is_not_failed";
+    if !parent_ready(NAME, slow_consumer_body) {
+        return;
+    }
+    let out = spawn(
+        NAME,
+        2,
+        Placement::Hosts,
+        &|_| vec![("RDMACOMM_TIMEOUT".into(), "10".into())],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&out);
+    assert!(out.iter().all(|x| x.output.contains("SLOW-OK")));
+}
+
 /// Three ranks, timeout T (2 s; 6 s in the emulated VM, where a rank may take seconds to
 /// start): rank 1 receives from rank 2, which is late by 3 T; rank 0 computes meanwhile. Every
 /// rank must be told that rank 2 stopped making progress, rank 1 within T + 2.5 s.

@@ -128,9 +128,8 @@ pub struct Config {
     /// When TCP connections are made (`RDMACOMM_CONNECT`, default on demand).
     pub connect: Connect,
     /// The most peers an all_to_all, gather or scatter connects at once
-    /// (`RDMACOMM_PEERS_MAX`; unset: as many as the transport's memory bound holds,
-    /// [`crate::transport::Props::peers_max`]). Wider worlds run those as trees of log2(n)
-    /// peers.
+    /// (`RDMACOMM_PEERS_MAX`; unset: as many as 64 MiB of the transport's per-peer buffers
+    /// hold). Wider worlds run those as trees of log2(n) peers.
     pub peers_max: Option<usize>,
     /// Smallest buffer an operation registers for zero-copy RDMA sends (`RDMACOMM_ZERO_COPY_MIN`;
     /// 0, the default, never: on soft-RoCE it ties with staging, and on an HCA registering per

@@ -265,15 +265,20 @@ impl Dialer {
         if self.up[p] || self.out[p].is_some() || p == self.me {
             return Ok(());
         }
-        let sa = self.addrs[p];
-        let fail = |e: std::io::Error| (p, format!("cannot dial its data connection at {sa}: {e}"));
-        let s = Socket::new(Domain::for_address(sa), Type::STREAM, None).map_err(fail)?;
-        s.set_nonblocking(true).map_err(fail)?;
+        let (sa, me) = (self.addrs[p], self.me);
+        // Out of descriptors, buffers or local ports is this rank's failure, not the peer's.
+        let local = |e: std::io::Error| {
+            let why = format!("cannot open a socket to dial rank {p} at {sa}: {e}");
+            (me, why)
+        };
+        let s = Socket::new(Domain::for_address(sa), Type::STREAM, None).map_err(local)?;
+        s.set_nonblocking(true).map_err(local)?;
         match s.connect(&SockAddr::from(sa)) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
             Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) => return Err(fail(e)),
+            Err(e) if e.raw_os_error() == Some(libc::EADDRNOTAVAIL) => return Err(local(e)),
+            Err(e) => return Err((p, format!("cannot dial its data connection at {sa}: {e}"))),
         }
         self.out[p] = Some(Outgoing::Connecting(s));
         self.under_way += 1;

@@ -30,6 +30,8 @@ impl RdmaTransport {
                         }
                     }
                     AsyncEvent::CqError(cq) if cq != self.cq.id() => continue,
+                    // Another port of the device (a dual-port HCA): not the one we use.
+                    AsyncEvent::PortError(port) if port != self.port => continue,
                     _ => None,
                 };
                 // A QP's event blames its peer; port, CQ and device events are this rank's own.
@@ -123,7 +125,11 @@ impl RdmaTransport {
                         .max(protocol::below(st.sent, (imm >> 16) as u16));
                     st.lens[(k % slots) as usize] = len;
                     st.cq_next = k + 1;
-                    st.qp.post_recv(wr_id(KIND_RECV, p, k + slots))?;
+                    if let Err(e) = st.qp.post_recv(wr_id(KIND_RECV, p, k + slots)) {
+                        // Our queue pair refused a receive: this rank's failure, told to all.
+                        let why = format!("reposting a receive for rank {p}: {e}");
+                        return Err(self.fail(self.rank, why));
+                    }
                 }
                 _ => {
                     // Every WR up to this one is done (in order), signaled or not.

@@ -35,6 +35,11 @@ impl RdmaTransport {
         quiet: bool,
     ) -> Result<()> {
         let st = self.peers[p].as_mut().expect("no link to self");
+        // What an HCA counts (entries free only as completions are polled) must fit the queue.
+        debug_assert!(
+            st.wr_posted - st.wr_done < u64::from(connect::send_depth(st.lens.len())),
+            "rank {p}'s send queue overfilled"
+        );
         // A WR that needs nothing after posting may go unsignaled (see the module notes).
         let fire_and_forget = kind == KIND_CREDIT || (kind == KIND_DATA && quiet);
         let signaled = !fire_and_forget || st.unsignaled >= QUIET_MAX;
@@ -362,7 +367,16 @@ impl Link for RdmaTransport {
             self.made_progress();
             return Ok(true);
         }
-        st.returned = consumed;
+        // An HCA frees send-queue entries only as their completions are polled, and a rank
+        // that takes chunks from mailboxes without ever waiting never polls: make room first.
+        let depth = u64::from(connect::send_depth(slots as usize));
+        while {
+            let st = self.state(p);
+            st.wr_posted - st.wr_done + 1 >= depth
+        } {
+            self.progress(p)?;
+        }
+        self.state(p).returned = consumed;
         // Our consumed count into the writer's credit word for us (inline).
         let credit_remote = self.layout.credit_off();
         // A scratch word past the send slots, which no peer has a key for.
