@@ -111,6 +111,12 @@ impl Repeated {
     }
 }
 
+/// A test's fault injection (debug builds only; release builds never read it): whether
+/// `RDMACOMM_TEST_FAULT` names the point `what`, where the test has this process fail.
+pub(crate) fn test_fault(what: &str) -> bool {
+    cfg!(debug_assertions) && std::env::var("RDMACOMM_TEST_FAULT").is_ok_and(|v| v == what)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -452,3 +452,92 @@ fn a_card_with_an_entry_per_rank_gives_each_rank_its_own() {
         }
     }
 }
+
+#[test]
+fn a_table_fans_out_along_a_tree_to_every_rank() {
+    use rdmacomm::unstable::rendezvous::{rendezvous_on, Card};
+    // 80 ranks: rank 0 writes the table to ranks 1-8, they to 9-72, rank 9 to 73-79. The
+    // cards have no per-rank entries (as every transport's), so one table serves all.
+    let n = 80;
+    for secret in [None, Some("fan out")] {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let coord = l.local_addr().unwrap().to_string();
+        let mut l = Some(l);
+        let ranks: Vec<_> = (0..n)
+            .map(|r| {
+                let (at, l) = (coord.clone(), l.take());
+                std::thread::spawn(move || {
+                    let mut cfg = Config::defaults(r, n, at);
+                    cfg.timeout = Duration::from_secs(60);
+                    if let Some(s) = secret {
+                        cfg.secret = Some(rdmacomm::config::Secret::new(s));
+                    }
+                    let card = Card {
+                        common: format!("card of rank {r}").into_bytes(),
+                        ..Card::default()
+                    };
+                    let rv =
+                        rendezvous_on(&cfg, &card, l).unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                    // Kept until every rank has its table: rank 0's connections stay open.
+                    rv
+                })
+            })
+            .collect();
+        let got: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        for (r, rv) in got.iter().enumerate() {
+            let (cards, addrs, session) = (&rv.cards, &rv.addrs, &rv.session);
+            for (q, c) in cards.iter().enumerate() {
+                assert_eq!(
+                    c,
+                    &format!("card of rank {q}").into_bytes(),
+                    "rank {r}: rank {q}'s card"
+                );
+            }
+            assert_eq!(addrs.len(), n, "rank {r}");
+            assert_eq!(
+                session, &got[0].session,
+                "rank {r}: one session for the group"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_dies_before_passing_on_the_table_is_named_by_all() {
+    const NAME: &str = "a_rank_that_dies_before_passing_on_the_table_is_named_by_all";
+    if !parent_ready(NAME, join_body) {
+        return;
+    }
+    // Twelve ranks: rank 1 takes its table from rank 0 and is to pass it to ranks 9-11; it
+    // exits first. Each rank's error names rank 1, not rank 0 nor itself.
+    let r = spawn(
+        NAME,
+        12,
+        Placement::Local,
+        &|r| {
+            let mut v = short();
+            if r == 1 {
+                v.push((
+                    "RDMACOMM_TEST_FAULT".into(),
+                    "exit-before-passing-table".into(),
+                ));
+            }
+            v
+        },
+        Duration::from_secs(60),
+    );
+    for x in &r {
+        assert_eq!(x.code, Some(3), "rank {} should fail: {}", x.rank, x.output);
+        if let Some(l) = x.output.lines().find(|l| l.contains("ERROR")) {
+            println!("rank {}: {l}", x.rank);
+        }
+        if x.rank != 1 {
+            assert!(
+                x.output.contains("ERROR") && x.output.contains("rank 1 ("),
+                "rank {}: {}",
+                x.rank,
+                x.output
+            );
+        }
+    }
+}

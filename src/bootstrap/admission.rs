@@ -147,6 +147,7 @@ mod tests {
             size,
             card: Card::default(),
             addr: "10.0.0.2".into(),
+            port: 0,
             settings: "RDMACOMM_SLOTS=8".into(),
             error: String::new(),
             nonce: [0; KEY],

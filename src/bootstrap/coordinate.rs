@@ -4,6 +4,7 @@
 
 use super::admission::{Admission, Verdict};
 use super::auth::{digest, mac, mac_ok, random, KEY};
+use super::fanout::{children_of, parent_of, Route};
 use super::hello::{decode_card, decode_hello, Card, Hello};
 use super::outcome::{resolve, Rendezvous};
 use super::table;
@@ -11,7 +12,7 @@ use super::wire::*;
 use super::SideChannel;
 use crate::config::Config;
 use crate::error::{Error, Result};
-use std::io::{ErrorKind, Read};
+use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -41,44 +42,6 @@ struct Joined {
     hello: Hello,
     /// With a secret, until its card came: the bytes so far, rank 0's challenge, a deadline.
     awaiting: Option<(Vec<u8>, [u8; KEY], Instant)>,
-}
-
-/// Reads what `sock` (non-blocking) has into `buf`, up to a frame of `limit` bytes: whether
-/// anything came, and why the connection is no use if it is not.
-fn read_some(
-    sock: &mut TcpStream,
-    buf: &mut Vec<u8>,
-    limit: usize,
-) -> (bool, Option<&'static str>) {
-    let mut chunk = [0u8; 4096];
-    let mut busy = false;
-    loop {
-        match sock.read(&mut chunk) {
-            Ok(0) => return (busy, Some("closed without a hello")),
-            Ok(k) => {
-                busy = true;
-                buf.extend_from_slice(&chunk[..k]);
-                if buf.len() > 4 + limit {
-                    return (busy, Some("sent more than a hello"));
-                }
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return (busy, None),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(_) => return (busy, Some("connection failed")),
-        }
-    }
-}
-
-/// Whether `buf` holds a whole frame of at most `limit` bytes (an error for a bad length).
-fn whole_frame(buf: &[u8], limit: usize) -> std::result::Result<bool, &'static str> {
-    if buf.len() < 4 {
-        return Ok(false);
-    }
-    let len = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
-    if len == 0 || len > limit {
-        return Err("a malformed frame");
-    }
-    Ok(buf.len() >= 4 + len)
 }
 
 /// Connections rank 0 ignored, each logged (thinned out when many) and remembered for a
@@ -290,7 +253,7 @@ pub(super) fn coordinate(
         let mut i = 0;
         while i < pending.len() {
             let p = &mut pending[i];
-            let (moved, mut gone) = read_some(&mut p.sock, &mut p.buf, hello_limit);
+            let (moved, mut gone) = read_some(&p.sock, &mut p.buf, hello_limit);
             busy |= moved;
             let whole = match whole_frame(&p.buf, hello_limit) {
                 Ok(w) => w,
@@ -327,7 +290,7 @@ pub(super) fn coordinate(
                     continue;
                 };
                 let _ = j.sock.set_nonblocking(true);
-                let (moved, mut gone) = read_some(&mut j.sock, buf, card_limit(n));
+                let (moved, mut gone) = read_some(&j.sock, buf, card_limit(n));
                 busy |= moved;
                 let mut card = None;
                 match whole_frame(buf, card_limit(n)) {
@@ -367,10 +330,12 @@ pub(super) fn coordinate(
     let mut full: Vec<Card> = vec![card.clone()];
     let mut addrs: Vec<String> = vec![cfg.bind_addr.clone().unwrap_or_else(|| sa.ip().to_string())];
     let mut socks: Vec<(TcpStream, [u8; KEY])> = Vec::with_capacity(n - 1);
+    let mut ports = vec![0u16];
     for j in joined.into_iter().skip(1) {
         let j = j.expect("every rank joined");
         full.push(j.hello.card);
         addrs.push(j.hello.addr);
+        ports.push(j.hello.port);
         socks.push((j.sock, j.hello.nonce));
     }
     // Every card was checked for n entries (decode_card; ours is the transport's own).
@@ -398,23 +363,55 @@ pub(super) fn coordinate(
     } else {
         (1..n).map(table_for).collect::<Result<_>>()?
     };
-    let digests: Vec<[u8; KEY]> = match secret {
-        Some(_) => tables.iter().map(|t| digest(t)).collect(),
-        None => Vec::new(),
-    };
+    // Each joiner's route (`fanout.rs`): one shared table fans out along the tree, rank 0
+    // writing it to its first FANOUT ranks only; tables of their own go to each from rank 0.
+    let digests: Vec<[u8; KEY]> = tables.iter().map(|t| digest(t)).collect();
+    let routes: Vec<Vec<u8>> = (1..n)
+        .map(|r| {
+            let k = if shared { 0 } else { r - 1 };
+            let (t, parent) = (&tables[k], if shared { parent_of(r) } else { 0 });
+            Route {
+                digest: digests[k],
+                len: t.len(),
+                parent,
+                parent_addr: addrs[parent].clone(),
+                ports: if shared {
+                    children_of(r, n).map(|c| ports[c]).collect()
+                } else {
+                    Vec::new()
+                },
+            }
+            .encode()
+        })
+        .collect();
+    let tags: Vec<[u8; KEY]> = socks
+        .iter()
+        .zip(&routes)
+        .map(|((_, nonce), route)| secret.map_or([0; KEY], |s| mac(s, &[nonce, route])))
+        .collect();
     let mut outs: Vec<table::Out> = socks
         .iter()
-        .enumerate()
-        .map(|(i, (sock, nonce))| {
-            let k = if shared { 0 } else { i };
-            let tag = secret.map_or([0; KEY], |s| mac(s, &[nonce, &digests[k]]));
-            table_bytes += tables[k].len();
-            table::Out::new(sock, TABLE, &tables[k], tag)
+        .zip(routes.iter().zip(&tags))
+        .map(|((sock, _), (route, tag))| {
+            table_bytes += route.len() + KEY;
+            table::Out::new(sock, ROUTE, route, tag)
         })
         .collect();
     // A joiner that stops reading cannot hold rank 0 past its deadline, nor the others up.
     let by = deadline.max(Instant::now() + Duration::from_secs(1));
-    if let Err((i, e)) = table::send_all(&mut outs, by) {
+    let mut sent = table::send_all(&mut outs, by);
+    if sent.is_ok() {
+        let direct = if shared { children_of(0, n) } else { 1..n };
+        outs = direct
+            .map(|r| {
+                let t = &tables[if shared { 0 } else { r - 1 }];
+                table_bytes += t.len();
+                table::Out::new(&socks[r - 1].0, TABLE, t, &[])
+            })
+            .collect();
+        sent = table::send_all(&mut outs, by);
+    }
+    if let Err((i, e)) = sent {
         let reason = format!("sending its table: {e} (it stopped reading?)");
         // Ranks that took their table are on to their set-up barrier: told what ended it.
         let mut body = ((i + 1) as u32).to_le_bytes().to_vec();
@@ -422,18 +419,16 @@ pub(super) fn coordinate(
             &mut body,
             format!("rank 0 stopped the rendezvous: {reason}").as_bytes(),
         );
-        // A frame half-written cannot take another after it: that joiner sees its end.
-        for o in outs
-            .iter()
-            .enumerate()
-            .filter(|&(j, _)| j != i)
-            .map(|(_, o)| o)
-        {
-            if o.done() {
-                let _ = o.sock.set_write_timeout(Some(Duration::from_millis(100)));
-                let _ = send_frame(o.sock, ABORT, &body);
+        // A frame half-written cannot take another after it: that joiner sees its end. (An
+        // index of `outs` is a joiner's: rank 1 first, in either step.)
+        let half: Vec<usize> = (0..outs.len()).filter(|&j| !outs[j].done()).collect();
+        drop(outs);
+        for (j, (sock, _)) in socks.iter().enumerate().filter(|&(j, _)| j != i) {
+            if half.contains(&j) {
+                let _ = sock.shutdown(std::net::Shutdown::Both);
             } else {
-                let _ = o.sock.shutdown(std::net::Shutdown::Both);
+                let _ = sock.set_write_timeout(Some(Duration::from_millis(100)));
+                let _ = send_frame(sock, ABORT, &body);
             }
         }
         return Err(Error::PeerFailed {
@@ -450,9 +445,9 @@ pub(super) fn coordinate(
         sock.set_write_timeout(None)?;
         streams.push(Some(sock));
     }
-    // Rank 0's part that grows with the square of the world (the cost model's table term).
+    // Rank 0's part that grows with the world (the cost model's table term).
     log::debug!(
-        "rendezvous of {n} ranks: {table_bytes} bytes of tables sent in {:.1} ms",
+        "rendezvous of {n} ranks: {table_bytes} bytes of routes and tables sent in {:.1} ms",
         tables_from.elapsed().as_secs_f64() * 1e3
     );
     Ok(Rendezvous {

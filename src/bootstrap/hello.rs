@@ -37,12 +37,20 @@ pub(super) struct Hello {
     pub size: usize,
     pub card: Card,
     pub addr: String,
+    /// Where it takes its table from the rank that passes it on (`fanout.rs`); 0: from rank 0.
+    pub port: u16,
     pub settings: String,
     pub error: String,
     pub nonce: [u8; KEY],
 }
 
-pub(super) fn encode_hello(cfg: &Config, card: &Card, error: &str, nonce: &[u8; KEY]) -> Vec<u8> {
+pub(super) fn encode_hello(
+    cfg: &Config,
+    card: &Card,
+    error: &str,
+    nonce: &[u8; KEY],
+    port: u16,
+) -> Vec<u8> {
     let mut h = Vec::new();
     h.extend_from_slice(&(MAGIC ^ VERSION as u32).to_le_bytes());
     put_bytes(&mut h, cfg.job_id.as_bytes());
@@ -52,6 +60,7 @@ pub(super) fn encode_hello(cfg: &Config, card: &Card, error: &str, nonce: &[u8; 
     h.extend_from_slice(&(card.entry as u32).to_le_bytes());
     put_bytes(&mut h, &card.each);
     put_bytes(&mut h, cfg.bind_addr.as_deref().unwrap_or("").as_bytes());
+    h.extend_from_slice(&port.to_le_bytes());
     put_bytes(&mut h, cfg.shared_settings().as_bytes());
     put_bytes(&mut h, error.as_bytes());
     h.extend_from_slice(nonce);
@@ -74,6 +83,7 @@ pub(super) fn decode_hello(b: &[u8]) -> Option<Hello> {
         size: 0,
         card: Card::default(),
         addr: String::new(),
+        port: 0,
         settings: String::new(),
         error: String::new(),
         nonce: [0; KEY],
@@ -90,6 +100,7 @@ pub(super) fn decode_hello(b: &[u8]) -> Option<Hello> {
         return None;
     }
     let addr = String::from_utf8_lossy(r.bytes().ok()?).into_owned();
+    let port = u16::from_le_bytes(r.take(2).ok()?.try_into().ok()?);
     let settings = String::from_utf8_lossy(r.bytes().ok()?).into_owned();
     let error = String::from_utf8_lossy(r.bytes().ok()?).into_owned();
     let nonce = r.take(KEY).ok()?.try_into().ok()?;
@@ -106,6 +117,7 @@ pub(super) fn decode_hello(b: &[u8]) -> Option<Hello> {
             each,
         },
         addr,
+        port,
         settings,
         error,
         nonce,
@@ -164,9 +176,9 @@ mod tests {
             entry: 2,
             each: (0..10).collect(),
         };
-        let b = encode_hello(&cfg, &card, "", &[9; KEY]);
+        let b = encode_hello(&cfg, &card, "", &[9; KEY], 4321);
         let h = decode_hello(&b).expect("a hello");
-        assert_eq!((h.version, h.rank, h.size), (VERSION, 3, 5));
+        assert_eq!((h.version, h.rank, h.size, h.port), (VERSION, 3, 5, 4321));
         assert_eq!(h.job, "job-7");
         assert_eq!(h.card.for_rank(4), Some(vec![1, 2, 3, 8, 9]));
         assert_eq!(h.card.for_rank(5), None, "past the entries");

@@ -2,6 +2,7 @@
 //! (with a secret) check its proof before sending the card, and take the table.
 
 use super::auth::{digest, mac, mac_ok, random, KEY};
+use super::fanout::{self, children_of, parent_of, Route};
 use super::hello::{encode_card, encode_hello, Card};
 use super::outcome::{resolve, Rendezvous};
 use super::table;
@@ -77,13 +78,32 @@ pub(super) fn join(
     };
     let nonce = random::<KEY>();
     let secret = cfg.secret.as_ref().map(|s| s.bytes());
+    // A rank below rank 0's first FANOUT takes its table from another rank, on this listener;
+    // one that cannot open it tells the group so in its HELLO.
+    let mut own_error = own_error.map(str::to_string);
+    let listener = if own_error.is_none() && parent_of(cfg.rank) != 0 {
+        match fanout::listen_beside(&s, bind) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                own_error = Some(format!("it cannot listen for its endpoint table: {e}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let port = listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map_or(0, |a| a.port());
     // With a secret, the card goes only to a rank 0 that proved it.
     let blank = Card::default();
     let body = encode_hello(
         cfg,
         if secret.is_some() { &blank } else { card },
-        own_error.unwrap_or(""),
+        own_error.as_deref().unwrap_or(""),
         &nonce,
+        port,
     );
     let tag = secret.map_or([0; KEY], |k| mac(k, &[&challenge, &body]));
     let mut hello = body;
@@ -125,22 +145,25 @@ pub(super) fn join(
             reason: format!("sending its card: {e}"),
         })?;
     }
-    let (kind, body) = recv_frame(&s, deadline + grace).map_err(|e| {
-        if e.kind() == ErrorKind::TimedOut {
-            Error::Bootstrap(format!(
-                "rank {}: the coordinator {sa} did not complete the rendezvous within {:?} \
-                 (some rank never joined?)",
-                cfg.rank, cfg.timeout
-            ))
-        } else {
-            Error::PeerFailed {
-                peer: coord.clone(),
-                reason: format!("waiting for the endpoint table: {e}"),
+    let from_rank0 = |what: &str, until: Instant| {
+        recv_frame(&s, until).map_err(|e| {
+            if e.kind() == ErrorKind::TimedOut {
+                Error::Bootstrap(format!(
+                    "rank {}: the coordinator {sa} did not complete the rendezvous within {:?} \
+                     (some rank never joined?)",
+                    cfg.rank, cfg.timeout
+                ))
+            } else {
+                Error::PeerFailed {
+                    peer: coord.clone(),
+                    reason: format!("waiting for {what}: {e}"),
+                }
             }
-        }
-    })?;
+        })
+    };
+    let (kind, body) = from_rank0("the table's route", deadline + grace)?;
     match kind {
-        TABLE => {}
+        ROUTE => {}
         REJECT | ABORT => return Err(refused(&body)),
         k => {
             return Err(Error::Bootstrap(format!(
@@ -148,28 +171,75 @@ pub(super) fn join(
             )))
         }
     }
-    if body.len() < 2 * KEY {
-        return Err(Error::Bootstrap(
-            "a short table from the coordinator".into(),
-        ));
+    let forged = || {
+        Error::Bootstrap(format!(
+            "rank {}: the coordinator at {sa} failed authentication (RDMACOMM_SECRET differs?)",
+            cfg.rank
+        ))
+    };
+    let (route, tag) = body.split_at(body.len().saturating_sub(KEY));
+    if secret.is_some_and(|k| !mac_ok(k, &[&nonce, route], tag)) {
+        return Err(forged());
     }
-    let (table, tag) = body.split_at(body.len() - KEY);
-    if let Some(k) = secret {
-        if !mac_ok(k, &[&nonce, &digest(table)], tag) {
-            return Err(Error::Bootstrap(format!(
-                "rank {}: the coordinator at {sa} failed authentication (RDMACOMM_SECRET differs?)",
-                cfg.rank
-            )));
+    let n = cfg.world_size;
+    let route = Route::decode(route, cfg.rank, n)
+        .ok_or_else(|| Error::Bootstrap("a malformed route from the coordinator".into()))?;
+    // The table comes from rank 0 (by its deadline, as the route did) or from the rank it
+    // names: that wait, at least a grace from now, ends after rank 0 would have told of a rank
+    // that stopped the table on its way.
+    let table = if route.parent == 0 {
+        match from_rank0("the endpoint table", deadline + grace)? {
+            (TABLE, t) => t,
+            (REJECT | ABORT, why) => return Err(refused(&why)),
+            (k, _) => {
+                return Err(Error::Bootstrap(format!(
+                    "unexpected message {k} from the coordinator"
+                )))
+            }
         }
+    } else {
+        let l = listener
+            .as_ref()
+            .ok_or_else(|| Error::Bootstrap("a route to a rank without a listener".into()))?;
+        let wait = (deadline + grace).max(Instant::now() + grace) - Instant::now();
+        match fanout::take_forwarded(l, &s, &route, cfg.rank, n, wait) {
+            Ok(t) => t,
+            Err(e) => {
+                // Rank 0 learns whom to blame from this rank, not from its closed connection.
+                if let Some(p) = e.peer() {
+                    let mut body = (p.rank as u32).to_le_bytes().to_vec();
+                    put_bytes(&mut body, format!("rank {}: {e}", cfg.rank).as_bytes());
+                    let _ = send_frame(&s, ABORT, &body);
+                }
+                return Err(e);
+            }
+        }
+    };
+    drop(listener);
+    if table.len() != route.len || digest(&table) != route.digest {
+        return Err(forged());
     }
+    let table = &table[..];
     let (session, addrs, cards) = table::decode(table, cfg.world_size)?;
-    let mut streams: Vec<Option<TcpStream>> = (0..cfg.world_size).map(|_| None).collect();
+    let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     s.set_write_timeout(None)?;
     streams[0] = Some(s);
-    Ok(Rendezvous {
+    let kids: Vec<(usize, String, u16)> = children_of(cfg.rank, n)
+        .zip(&route.ports)
+        .map(|(c, &port)| (c, addrs[c].clone(), port))
+        .collect();
+    let mut rv = Rendezvous {
         cards,
         addrs: addrs.clone(),
         session,
         side: SideChannel::new(cfg.rank, streams, addrs, cfg.timeout),
-    })
+    };
+    if !kids.is_empty() {
+        if crate::diag::test_fault("exit-before-passing-table") {
+            std::process::exit(3);
+        }
+        let passed = fanout::pass_on(table, cfg.rank, &kids, Instant::now() + cfg.timeout);
+        rv.side.told_during(passed, "pass on the endpoint table")?;
+    }
+    Ok(rv)
 }

@@ -2,7 +2,7 @@
 //! failures, below the transports (which move the data). Who is rank 0 and where it listens
 //! (`discover.rs`, with `pmix.rs` for launchers that run a PMIx server); the rendezvous there,
 //! which checks every joiner and hands out the transports' cards (`rendezvous.rs`, the table in
-//! `table.rs`); its wire
+//! `table.rs`, its tree in `fanout.rs`); its wire
 //! (length-prefixed frames over TCP, `wire.rs`); the side channel those connections become, kept
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
 //! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`). It reads the configuration and nothing above it.
@@ -11,6 +11,7 @@ mod admission;
 mod auth;
 mod coordinate;
 pub mod discover;
+mod fanout;
 mod hello;
 mod join;
 mod outcome;

@@ -11,11 +11,12 @@
 //! starve nobody; anything that is not a well-formed HELLO of this job is closed and reported once
 //! in the log, and the rendezvous goes on. Only conflicts inside the job end it: a rank twice with
 //! both connections alive, world sizes or shared settings that disagree, a rank whose
-//! configuration is bad. Once every rank is in, rank 0 sends every rank the table (`table.rs`): a
-//! fresh session key (which the data path's connections prove) and every rank's address and
-//! card, front-coded (a few bytes a rank), built once and written to all joiners at once, with
-//! an HMAC over the joiner's nonce and the table's digest when there is a secret, so a joiner
-//! cannot be fooled by a fake coordinator either.
+//! configuration is bad. Once every rank is in, every rank gets the table (`table.rs`): a fresh
+//! session key (which the data path's connections prove) and every rank's address and card,
+//! front-coded (a few bytes a rank), built once. Rank 0 writes it to its first eight ranks and
+//! they pass it on along a tree (`fanout.rs`); each rank's route from rank 0 carries the table's
+//! digest, with an HMAC over the joiner's nonce when there is a secret, so a joiner cannot be
+//! fooled by a fake coordinator nor by a stranger at its table listener.
 
 pub use super::auth::{mac, mac_ok, random, KEY};
 use super::coordinate::coordinate;

@@ -159,10 +159,16 @@ impl SideChannel {
     /// rank to blame (the one the error names, or this one) and the cause, instead of a
     /// connection that closed. Nothing is told if a failure was already learned.
     pub fn told<T>(&mut self, r: Result<T>) -> Result<T> {
+        self.told_during(r, "set up its transport")
+    }
+
+    /// [`SideChannel::told`] for another set-up step (`step`, as in "rank 3 could not
+    /// {step}").
+    pub(crate) fn told_during<T>(&mut self, r: Result<T>, step: &str) -> Result<T> {
         let Err(e) = r else { return r };
         if self.failure.is_none() {
             let blamed = e.peer().map_or(self.rank, |p| p.rank);
-            let why = format!("rank {} could not set up its transport: {e}", self.rank);
+            let why = format!("rank {} could not {step}: {e}", self.rank);
             self.record_failure(blamed, why.clone());
             self.abort(blamed, &why);
         }
@@ -582,7 +588,7 @@ impl SideChannel {
 }
 
 /// An abort's body: the rank that failed (`from` where it names none of the `n`) and why.
-fn parse_abort(body: &[u8], from: usize, n: usize) -> (usize, String) {
+pub(super) fn parse_abort(body: &[u8], from: usize, n: usize) -> (usize, String) {
     let mut rd = Reader(body);
     let failed = rd.u32().map_or(from, |f| f as usize);
     let why = rd.string().unwrap_or_default();

@@ -111,32 +111,33 @@ pub(super) fn decode(table: &[u8], n: usize) -> Result<Decoded> {
     Ok((session, addrs, cards))
 }
 
-/// One joiner's frame being written: the frame's head, the table, the joiner's tag.
+/// One frame being written: its head, a body (the table, or a route) and a tail (a tag, or
+/// nothing).
 pub(super) struct Out<'a> {
     pub sock: &'a TcpStream,
-    pub table: &'a [u8],
-    pub tag: [u8; KEY],
+    body: &'a [u8],
+    tail: &'a [u8],
     head: [u8; 5],
     at: usize,
 }
 
 impl<'a> Out<'a> {
-    /// Frame `kind` of `table` and `tag` to `sock`.
-    pub(super) fn new(sock: &'a TcpStream, kind: u8, table: &'a [u8], tag: [u8; KEY]) -> Self {
+    /// Frame `kind` of `body`, then `tail`, to `sock`.
+    pub(super) fn new(sock: &'a TcpStream, kind: u8, body: &'a [u8], tail: &'a [u8]) -> Self {
         let mut head = [0u8; 5];
-        head[..4].copy_from_slice(&((table.len() + KEY) as u32 + 1).to_le_bytes());
+        head[..4].copy_from_slice(&((body.len() + tail.len()) as u32 + 1).to_le_bytes());
         head[4] = kind;
         Out {
             sock,
-            table,
-            tag,
+            body,
+            tail,
             head,
             at: 0,
         }
     }
 
     fn len(&self) -> usize {
-        5 + self.table.len() + KEY
+        5 + self.body.len() + self.tail.len()
     }
 
     /// Whether the whole frame was written.
@@ -147,11 +148,11 @@ impl<'a> Out<'a> {
     /// Writes what the socket takes now; whether the frame is whole.
     fn step(&mut self) -> std::io::Result<bool> {
         while self.at < self.len() {
-            let (h, t) = (5, 5 + self.table.len());
+            let (h, t) = (5, 5 + self.body.len());
             let parts = [
                 &self.head[self.at.min(h)..],
-                &self.table[self.at.clamp(h, t) - h..],
-                &self.tag[self.at.max(t) - t..],
+                &self.body[self.at.clamp(h, t) - h..],
+                &self.tail[self.at.max(t) - t..],
             ];
             let slices = parts.map(IoSlice::new);
             let mut w = self.sock;
@@ -320,10 +321,11 @@ mod tests {
         }
         let table = vec![9u8; 1 << 20];
         let _stuck = readers.pop().unwrap();
+        let tags: Vec<[u8; KEY]> = (0..3).map(|i| [i as u8; KEY]).collect();
         let mut outs: Vec<Out> = socks
             .iter()
-            .enumerate()
-            .map(|(i, s)| Out::new(s, 3, &table, [i as u8; KEY]))
+            .zip(&tags)
+            .map(|(s, tag)| Out::new(s, 3, &table, tag))
             .collect();
         // Readers 0 and 1 read; reader 2 never does, and its socket fills.
         let handles: Vec<_> = readers

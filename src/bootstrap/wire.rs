@@ -40,8 +40,9 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// clear error instead of misreading each other; 6: a probe says which ways its operation goes,
 /// and the side channel's frame kinds differ from the rendezvous'); 7: one front-coded table for
 /// every rank, its MAC over its digest, and cards without per-rank entries (RDMA's queue pairs
-/// are set up over the data connection).
-pub(crate) const VERSION: u16 = 7;
+/// are set up over the data connection); 8: the table fans out along a tree (`fanout.rs`): each
+/// rank's ROUTE from rank 0, a listener's port in the HELLO.
+pub(crate) const VERSION: u16 = 8;
 // Every frame kind of the bootstrap's connection, rendezvous and side channel alike (one
 // connection becomes the other): each number once (`every_kind_is_its_own`).
 pub(crate) const HELLO: u8 = 1;
@@ -66,6 +67,9 @@ pub(super) const LEAVING: u8 = 12;
 /// by rank 0. The peer compares it with its own call in the same direction: mismatched calls that
 /// move no byte (both waiting to receive) are named at once, not after the timeout.
 pub(super) const PROBE: u8 = 13;
+/// Rank 0 to each joiner once every rank is in: the table's digest and length, the rank that
+/// passes it the table and the ports of the ranks it passes it to, and (with a secret) a MAC.
+pub(super) const ROUTE: u8 = 14;
 pub(super) const MAX_FRAME: usize = 64 << 20;
 
 pub(super) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -233,6 +237,44 @@ pub(crate) fn check_tags(cards: &[Vec<u8>], addrs: &[String], me: usize, tag: u3
     Ok(())
 }
 
+/// Reads what `sock` (non-blocking) has into `buf`, up to a frame of `limit` bytes: whether
+/// anything came, and why the connection is no use if it is not.
+pub(super) fn read_some(
+    mut sock: &TcpStream,
+    buf: &mut Vec<u8>,
+    limit: usize,
+) -> (bool, Option<&'static str>) {
+    let mut chunk = [0u8; 4096];
+    let mut busy = false;
+    loop {
+        match sock.read(&mut chunk) {
+            Ok(0) => return (busy, Some("closed before a whole frame")),
+            Ok(k) => {
+                busy = true;
+                buf.extend_from_slice(&chunk[..k]);
+                if buf.len() > 4 + limit {
+                    return (busy, Some("sent more than the frame expected"));
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return (busy, None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return (busy, Some("connection failed")),
+        }
+    }
+}
+
+/// Whether `buf` holds a whole frame of at most `limit` bytes (an error for a bad length).
+pub(super) fn whole_frame(buf: &[u8], limit: usize) -> std::result::Result<bool, &'static str> {
+    if buf.len() < 4 {
+        return Ok(false);
+    }
+    let len = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+    if len == 0 || len > limit {
+        return Err("a malformed frame");
+    }
+    Ok(buf.len() >= 4 + len)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,7 +283,7 @@ mod tests {
     fn every_kind_is_its_own() {
         let kinds = [
             HELLO, REJECT, TABLE, READY, GO, ABORT, BYE, STALLED, CHALLENGE, PROOF, CARD, LEAVING,
-            PROBE,
+            PROBE, ROUTE,
         ];
         for (i, a) in kinds.iter().enumerate() {
             assert!(!kinds[i + 1..].contains(a), "kind {a} twice");

@@ -43,8 +43,9 @@ pub const VARIABLES: [&str; table::SETTINGS.len()] = {
 };
 
 /// Variables of this project's tools and tests, which the library ignores.
-pub const TOOL_VARIABLES: [&str; 5] = [
+pub const TOOL_VARIABLES: [&str; 6] = [
     "RDMACOMM_TEST_CHILD",
+    "RDMACOMM_TEST_FAULT",
     "RDMACOMM_REQUIRE_RDMA",
     "RDMACOMM_SKIP_VM",
     "RDMACOMM_PERF_BIN",
