@@ -541,3 +541,50 @@ fn a_rank_that_dies_before_passing_on_the_table_is_named_by_all() {
         }
     }
 }
+
+#[test]
+fn a_rank_that_hangs_before_passing_on_the_table_is_named_below_it() {
+    const NAME: &str = "a_rank_that_hangs_before_passing_on_the_table_is_named_below_it";
+    if !parent_ready(NAME, join_body) {
+        return;
+    }
+    if require_rdma() {
+        println!("SKIPPED: the bootstrap is the host's; 74 processes are too many for the VM");
+        return;
+    }
+    // 74 ranks: rank 1 is to pass the table to ranks 9-16, and rank 9 to 73; rank 1 hangs.
+    // Rank 73 waits on rank 9, which waited on rank 1: it names rank 1 too, not rank 9.
+    let r = spawn(
+        NAME,
+        74,
+        Placement::Local,
+        &|r| {
+            let mut v = short();
+            if r == 1 {
+                v.push((
+                    "RDMACOMM_TEST_FAULT".into(),
+                    "hang-before-passing-table".into(),
+                ));
+            }
+            v
+        },
+        Duration::from_secs(90),
+    );
+    for x in r
+        .iter()
+        .filter(|x| [0, 2, 9, 16, 17, 72, 73].contains(&x.rank))
+    {
+        if let Some(l) = x.output.lines().find(|l| l.contains("ERROR")) {
+            println!("rank {}: {l}", x.rank);
+        }
+    }
+    for x in r.iter().filter(|x| x.rank != 1) {
+        assert_eq!(x.code, Some(3), "rank {} should fail: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("ERROR") && x.output.contains("rank 1 ("),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+}

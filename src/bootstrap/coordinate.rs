@@ -375,8 +375,10 @@ pub(super) fn coordinate(
                 len: t.len(),
                 parent,
                 parent_addr: addrs[parent].clone(),
-                ports: if shared {
-                    children_of(r, n).map(|c| ports[c]).collect()
+                kids: if shared {
+                    children_of(r, n)
+                        .map(|c| (addrs[c].clone(), ports[c]))
+                        .collect()
                 } else {
                     Vec::new()
                 },
@@ -387,7 +389,7 @@ pub(super) fn coordinate(
     let tags: Vec<[u8; KEY]> = socks
         .iter()
         .zip(&routes)
-        .map(|((_, nonce), route)| secret.map_or([0; KEY], |s| mac(s, &[nonce, route])))
+        .map(|((_, nonce), route)| secret.map_or([0; KEY], |s| mac(s, &[b"route", nonce, route])))
         .collect();
     let mut outs: Vec<table::Out> = socks
         .iter()

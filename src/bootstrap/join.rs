@@ -178,7 +178,7 @@ pub(super) fn join(
         ))
     };
     let (route, tag) = body.split_at(body.len().saturating_sub(KEY));
-    if secret.is_some_and(|k| !mac_ok(k, &[&nonce, route], tag)) {
+    if secret.is_some_and(|k| !mac_ok(k, &[b"route", &nonce, route], tag)) {
         return Err(forged());
     }
     let n = cfg.world_size;
@@ -201,15 +201,21 @@ pub(super) fn join(
         let l = listener
             .as_ref()
             .ok_or_else(|| Error::Bootstrap("a route to a rank without a listener".into()))?;
-        let wait = (deadline + grace).max(Instant::now() + grace) - Instant::now();
+        // A level below its parent, a rank waits a little longer: the parent's verdict on a
+        // rank above it comes down first.
+        let floor = (deadline + grace).max(Instant::now() + grace) - Instant::now();
+        let wait = fanout::wait_for(cfg.rank, floor);
         match fanout::take_forwarded(l, &s, &route, cfg.rank, n, wait) {
             Ok(t) => t,
             Err(e) => {
-                // Rank 0 learns whom to blame from this rank, not from its closed connection.
+                // Rank 0 learns whom to blame from this rank, not from its closed connection,
+                // and so do the ranks below it.
                 if let Some(p) = e.peer() {
+                    let why = format!("rank {}: {e}", cfg.rank);
                     let mut body = (p.rank as u32).to_le_bytes().to_vec();
-                    put_bytes(&mut body, format!("rank {}: {e}", cfg.rank).as_bytes());
+                    put_bytes(&mut body, why.as_bytes());
                     let _ = send_frame(&s, ABORT, &body);
+                    fanout::pass_verdict(&route.digest, &route.kids, p.rank, &why);
                 }
                 return Err(e);
             }
@@ -225,8 +231,8 @@ pub(super) fn join(
     s.set_write_timeout(None)?;
     streams[0] = Some(s);
     let kids: Vec<(usize, String, u16)> = children_of(cfg.rank, n)
-        .zip(&route.ports)
-        .map(|(c, &port)| (c, addrs[c].clone(), port))
+        .zip(&route.kids)
+        .map(|(c, (addr, port))| (c, addr.clone(), *port))
         .collect();
     let mut rv = Rendezvous {
         cards,
@@ -236,6 +242,10 @@ pub(super) fn join(
     };
     if !kids.is_empty() {
         if crate::diag::test_fault("exit-before-passing-table") {
+            std::process::exit(3);
+        }
+        if crate::diag::test_fault("hang-before-passing-table") {
+            std::thread::sleep(cfg.timeout * 3);
             std::process::exit(3);
         }
         let passed = fanout::pass_on(table, cfg.rank, &kids, Instant::now() + cfg.timeout);

@@ -99,7 +99,10 @@ impl SideChannel {
                 peer: peer.clone(),
                 reason: format!("side channel: {e}"),
             })?;
-            match self.await_frame(0, GO, deadline) {
+            // Rank 0 judges a rank that never comes at its own deadline and tells this one:
+            // the wait for its word lasts a grace longer, so that word names the true cause.
+            let grace = (self.timeout / 4).max(Duration::from_secs(2));
+            match self.await_frame(0, GO, deadline + grace) {
                 Ok(()) => Ok(()),
                 Err((failed, why)) => {
                     self.record_failure(failed, why.clone());
