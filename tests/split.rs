@@ -262,7 +262,224 @@ fn a_failed_split_set_up_is_told_to_every_rank() {
     assert_all_ok(&res);
 }
 
+/// What this process holds of communicators: descriptors (sockets, listeners, segments,
+/// devices) and mappings of shared-memory segments.
+fn held() -> usize {
+    let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    fds + maps
+        .lines()
+        .filter(|l| l.contains("memfd:rdmacomm"))
+        .count()
+}
+
+fn shared_body() {
+    let (r, n) = rank_size();
+    let world = Comm::from_env().unwrap();
+    let all: Vec<usize> = (0..n).collect();
+    // Every pair connected first (an all_to_all reaches every peer): what the views then run
+    // on is there already.
+    let mine: Vec<u8> = (0..n).map(|q| (r * n + q) as u8).collect();
+    let mut got = vec![0u8; n];
+    world.all_to_all(&mine, &mut got).unwrap();
+    assert_eq!(got, (0..n).map(|q| (q * n + r) as u8).collect::<Vec<_>>());
+    let before = held();
+    let parity = world.split_shared((r % 2) as i32, r as i32).unwrap();
+    let half = world.split_shared((r / 3) as i32, -(r as i32)).unwrap();
+    let dup = world.dup_shared().unwrap();
+    let nested = parity.split_shared((r / 4) as i32, 0).unwrap();
+    let parity_ranks: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).collect();
+    let mut half_ranks: Vec<usize> = (0..n).filter(|q| q / 3 == r / 3).collect();
+    half_ranks.reverse();
+    let nested_ranks: Vec<usize> = parity_ranks
+        .iter()
+        .copied()
+        .filter(|q| q / 4 == r / 4)
+        .collect();
+    assert_eq!(half_ranks[half.rank()], r, "key orders the view");
+    assert_eq!((dup.rank(), dup.size()), (r, n));
+    // A view runs on its parent's thread, and opens no overlap scope of its own.
+    let elsewhere = std::thread::scope(|s| s.spawn(|| dup.barrier()).join().unwrap());
+    assert!(
+        matches!(elsewhere, Err(rdmacomm::Error::WrongThread(_))),
+        "{elsewhere:?}"
+    );
+    let scope = dup.overlap(|_| ());
+    assert!(
+        matches!(scope, Err(rdmacomm::Error::InvalidArgument(_))),
+        "{:?}",
+        scope.err()
+    );
+    let (world, parity, half, dup, nested) = (
+        Group::new(Arc::new(world)),
+        Group::new(Arc::new(parity)),
+        Group::new(Arc::new(half)),
+        Group::new(Arc::new(dup)),
+        Group::new(Arc::new(nested)),
+    );
+    // The views and the world, interleaved in one order on every rank.
+    for round in 0..3 {
+        check_sum(
+            &parity,
+            &parity_ranks,
+            &format!("round {round}: parity view"),
+        );
+        check_sum(&world, &all, &format!("round {round}: world"));
+        check_sum(&half, &half_ranks, &format!("round {round}: half view"));
+        check_sum(
+            &nested,
+            &nested_ranks,
+            &format!("round {round}: view of a view"),
+        );
+        check_sum(&dup, &all, &format!("round {round}: dup view"));
+        let mine = [r as u32 * 10 + round];
+        let mut got = vec![0u32; half.size()];
+        half.all_gather(&mine, &mut got).unwrap();
+        let want: Vec<u32> = half_ranks.iter().map(|&p| p as u32 * 10 + round).collect();
+        assert_eq!(got, want, "half view all_gather in key order");
+        let mut b = [if parity.rank() == 1 {
+            42u64 + round as u64
+        } else {
+            0
+        }; 3];
+        parity.broadcast(&mut b, 1).unwrap();
+        assert_eq!(
+            b,
+            [42 + round as u64; 3],
+            "parity view broadcast from its rank 1"
+        );
+        // A ring shift on the dup view, point to point.
+        let c = dup.communicator();
+        let mut from = [0u8; 8];
+        c.sendrecv(
+            (r + 1) % n,
+            &(r as u64).to_le_bytes(),
+            (r + n - 1) % n,
+            &mut from,
+        )
+        .unwrap();
+        assert_eq!(
+            u64::from_le_bytes(from),
+            ((r + n - 1) % n) as u64,
+            "dup view sendrecv"
+        );
+    }
+    assert_eq!(held(), before, "the views hold nothing of their own");
+    // The world may go first: the views keep its link.
+    drop(world);
+    check_sum(&half, &half_ranks, "half view after the world is gone");
+    dup.communicator().barrier().unwrap();
+    println!("rank {r}: shared view checks passed");
+}
+
+/// Views of one link (`split_shared`, `dup_shared`, a view of a view) compute what the
+/// independent splits do, interleaved with the world in one order, and hold no connection,
+/// buffer or descriptor of their own.
+#[test]
+fn shared_views_run_over_their_parents_link() {
+    const NAME: &str = "shared_views_run_over_their_parents_link";
+    if !parent_ready(NAME, shared_body) {
+        return;
+    }
+    spawn_local_ok(NAME, 6, &[], Duration::from_secs(300));
+}
+
+/// Independent communicators do hold their own: the measure above sees a `dup`'s.
+#[test]
+fn a_dup_holds_its_own_where_a_shared_view_does_not() {
+    const NAME: &str = "a_dup_holds_its_own_where_a_shared_view_does_not";
+    if !parent_ready(NAME, || {
+        let world = Comm::from_env().unwrap();
+        world.barrier().unwrap();
+        let before = held();
+        let t = std::time::Instant::now();
+        let view = world.dup_shared().unwrap();
+        view.barrier().unwrap();
+        let view_took = t.elapsed();
+        assert_eq!(held(), before, "a shared view");
+        let t = std::time::Instant::now();
+        let dup = world.dup().unwrap();
+        dup.barrier().unwrap();
+        let dup_took = t.elapsed();
+        let dup_held = held() - before;
+        assert!(dup_held > 0, "a dup holds nothing of its own?");
+        if world.rank() == 0 {
+            println!(
+                "RESULT a shared view: nothing held, made and through a barrier in {view_took:?}; \
+                 a dup: {dup_held} descriptors and mappings, in {dup_took:?}"
+            );
+        }
+    }) {
+        return;
+    }
+    let env = |_| vec![("RDMACOMM_TIMEOUT".to_string(), "60".to_string())];
+    let res = spawn(NAME, 3, Placement::Local, &env, Duration::from_secs(120));
+    assert_all_ok(&res);
+    for l in res[0].output.lines().filter(|l| l.contains("RESULT")) {
+        println!("{l}");
+    }
+}
+
+fn misordered_body() {
+    let (r, _) = rank_size();
+    let world = Comm::from_env().unwrap();
+    let view = world.dup_shared().unwrap();
+    let mut x = 1.0f32.to_le_bytes().to_vec();
+    // Same arguments, another communicator: rank 0 calls the view, the others the world.
+    let e = if r == 0 {
+        view.all_reduce(AllReduce::Sum, DType::f32, &mut x)
+    } else {
+        world.all_reduce(AllReduce::Sum, DType::f32, &mut x)
+    }
+    .expect_err("a view's call is not its parent's");
+    println!("rank {r}: ERROR {e}");
+    // Either way the link is done: both refuse further work.
+    assert!(world.barrier().is_err() && view.barrier().is_err());
+}
+
+/// A rank that calls a shared view where its peers call the parent, with the same arguments:
+/// named as a mismatch (the view's number rides in the descriptor), never misread or hung.
+#[test]
+fn a_view_called_where_peers_call_its_parent_is_named() {
+    const NAME: &str = "a_view_called_where_peers_call_its_parent_is_named";
+    if !parent_ready(NAME, misordered_body) {
+        return;
+    }
+    let env = |_| vec![("RDMACOMM_TIMEOUT".to_string(), "10".to_string())];
+    let res = spawn(NAME, 3, Placement::Local, &env, Duration::from_secs(120));
+    assert_all_ok(&res);
+    for x in &res {
+        if let Some(l) = x.output.lines().find(|l| l.contains("ERROR")) {
+            println!("{l}");
+        }
+    }
+    let named = res
+        .iter()
+        .filter(|x| x.output.contains("on shared view"))
+        .count();
+    assert!(
+        named >= 1,
+        "{:?}",
+        res.iter().map(|x| &x.output).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn a_world_of_one_shares_into_a_world_of_one() {
+    let one = Comm::new(&rdmacomm::Config::defaults(0, 1, "")).unwrap();
+    let view = one.dup_shared().unwrap();
+    assert_eq!((view.rank(), view.size()), (0, 1));
+    view.barrier().unwrap();
+    assert!(
+        one.split_shared(-1, 0).is_ok(),
+        "a negative color: a world of one"
+    );
+}
+
 crate::matrix!(
+    shared_views_run_over_their_parents_link,
+    a_dup_holds_its_own_where_a_shared_view_does_not,
+    a_view_called_where_peers_call_its_parent_is_named,
     split_six_ranks_interleaved,
     identity_comm_is_a_world_of_one,
     broadcast_chain_and_tree_five_ranks,

@@ -6,11 +6,11 @@
 //! cross-host all_reduce that owns it and copied from there, so every rank gets the same bits.
 
 use crate::collectives::ring::{self, chunks};
+use crate::collectives::subset::Subset;
 use crate::collectives::{tuning, Algo};
 use crate::dtype::{AllReduce, DType};
-use crate::error::{Peer, Result};
-use crate::transport::op::{OpDesc, Partners};
-use crate::transport::{Link, Props};
+use crate::error::Result;
+use crate::transport::Link;
 
 /// Where a rank stands in a regular layout of `hosts` (every host with the same number of
 /// ranks, at least two hosts and two ranks each): the ranks of its host and the ranks of its
@@ -52,58 +52,6 @@ impl Layout {
     }
 }
 
-/// A group of ranks of a link seen as a link of its own: rank i of the view is `ranks[i]`.
-struct View<'a> {
-    link: &'a mut dyn Link,
-    ranks: &'a [usize],
-    props: Props,
-}
-
-impl<'a> View<'a> {
-    /// The ranks `ranks` of `link`, this rank being `ranks[me]`.
-    fn new(link: &'a mut dyn Link, ranks: &'a [usize], me: usize) -> View<'a> {
-        let props = Props {
-            takes_return_credits: link.props().takes_return_credits,
-            ..Props::new(me, ranks.len(), link.props().max_chunk, link.props().medium)
-        };
-        View { link, ranks, props }
-    }
-}
-
-impl Link for View<'_> {
-    fn props(&self) -> &crate::transport::Props {
-        &self.props
-    }
-
-    fn peer(&self, rank: usize) -> Peer {
-        self.link.peer(self.ranks[rank])
-    }
-    fn try_post(&mut self, peer: usize, data: &[u8]) -> Result<bool> {
-        self.link.try_post(self.ranks[peer], data)
-    }
-    fn try_take(&mut self, peer: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
-        self.link.try_take(self.ranks[peer], f)
-    }
-    fn try_take_into(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
-        self.link.try_take_into(self.ranks[peer], dst)
-    }
-    fn progress(&mut self, waiting_on: usize) -> Result<()> {
-        self.link.progress(self.ranks[waiting_on])
-    }
-    fn begin(&mut self) {
-        self.link.begin()
-    }
-    fn resume(&mut self) {
-        self.link.resume()
-    }
-    fn start(&mut self, _op: &OpDesc, _scope: Partners) {
-        // The whole operation was started on the underlying link; its steps start nothing.
-    }
-    fn lending(&mut self) -> Option<&mut dyn crate::transport::Lending> {
-        self.link.lending()
-    }
-}
-
 /// In-place all_reduce over `link`, hierarchically by `layout` (this rank's [`Layout::of`] the
 /// link's hosts, worked out once by the caller: it allocates), else by the flat algorithm
 /// [`Algo::Auto`] picks.
@@ -123,18 +71,18 @@ pub fn all_reduce(
     let es = dtype.size();
     let parts = chunks(data.len() / es, l.local.len(), es);
     {
-        let mut host = View::new(&mut *link, &l.local, l.local_index);
+        let mut host = Subset::new(&mut *link, &l.local, l.local_index);
         ring::reduce_scatter_in(&mut host, op, dtype, data, parts)?;
     }
     let (off, len) = parts.get(l.local_index);
     {
-        let mut across = View::new(&mut *link, &l.cross, l.cross_index);
+        let mut across = Subset::new(&mut *link, &l.cross, l.cross_index);
         let part = &mut data[off..off + len];
         let limits = tuning::limits(across.props().medium, l.cross.len());
         let algo = Algo::Auto.choose(l.cross.len(), len, limits, false, false);
         flat(&mut across, algo, op, dtype, part, scratch)?;
     }
-    let mut host = View::new(link, &l.local, l.local_index);
+    let mut host = Subset::new(link, &l.local, l.local_index);
     ring::all_gather_in(&mut host, data, parts)
 }
 

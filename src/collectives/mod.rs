@@ -12,6 +12,7 @@ pub mod p2p;
 pub(crate) mod pause;
 pub mod ring;
 pub mod rooted;
+pub(crate) mod subset;
 pub mod tuning;
 
 #[cfg(test)]

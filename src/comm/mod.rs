@@ -4,6 +4,7 @@ mod ops;
 pub(crate) mod request;
 mod split;
 mod summary;
+mod view;
 
 use crate::api::{
     check_all_gather, check_all_gather_v, check_all_reduce, check_all_to_all, check_all_to_allv,
@@ -86,26 +87,13 @@ pub(crate) fn this_thread() -> u64 {
 pub struct Comm {
     rank: usize,
     size: usize,
-    inner: Mutex<Inner>,
-    /// Set by the first failure; every later call returns it (readable while an op runs).
-    poisoned: Mutex<Option<Poison>>,
-    /// Whether `poisoned` holds a reason (read without the lock on every call).
-    is_poisoned: AtomicBool,
-    /// Through which [`Comm::abort`] stops an operation that runs (None for a world of one).
-    abort_request: Option<Arc<AbortRequest>>,
+    /// The link and what goes with it: this communicator's own, or, for a shared view
+    /// ([`Comm::split_shared`]), the one it shares with the communicator it was split from.
+    pub(crate) core: Arc<Core>,
+    /// Where this communicator is a shared view: its members among the link's ranks.
+    view: Option<view::View>,
     /// This rank, as errors name it.
     me: Peer,
-    /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
-    pub(crate) executor: AtomicU64,
-    /// The open [`Comm::overlap`] scope (null: none), for blocking calls to run the operations
-    /// started before them first.
-    pub(crate) scope: AtomicPtr<ScopeHook>,
-    /// Held by an open [`Comm::overlap`] scope for its whole life: an adapter's claim of
-    /// ownership from another thread is refused meanwhile (the scope's queue lives on its
-    /// owner's stack).
-    pub(crate) scope_held: Mutex<()>,
-    /// When they may move (always, or only inside the caller's calls).
-    pub(crate) gate: Arc<crate::collectives::gate::Gate>,
     algo: Mutex<Algo>,
     /// Where this rank stands among hosts of equal size, if the link's hosts form one (worked
     /// out once: the hierarchical all_reduce needs it on every call).
@@ -118,8 +106,33 @@ pub struct Comm {
     /// under caller progress, for the caller's next call on one).
     described: Option<String>,
     cfg: Config,
+}
+
+/// What the communicators over one link share: the link, its fate, its thread and the scope
+/// that runs its non-blocking operations.
+pub(crate) struct Core {
+    inner: Mutex<Inner>,
+    /// Set by the first failure; every later call returns it (readable while an op runs).
+    poisoned: Mutex<Option<Poison>>,
+    /// Whether `poisoned` holds a reason (read without the lock on every call).
+    is_poisoned: AtomicBool,
+    /// Through which [`Comm::abort`] stops an operation that runs (None for a world of one).
+    abort_request: Option<Arc<AbortRequest>>,
+    /// The thread that runs the non-blocking operations of an [`Comm::overlap`] scope (0: none).
+    pub(crate) executor: AtomicU64,
+    /// The open [`Comm::overlap`] scope (null: none), for blocking calls to run the operations
+    /// started before them first.
+    pub(crate) scope: AtomicPtr<ScopeHook>,
+    /// Held by an open [`Comm::overlap`] scope for its whole life: an adapter's claim of
+    /// ownership from another thread is refused meanwhile (the scope's queue lives on its
+    /// owner's stack).
+    pub(crate) scope_held: Mutex<()>,
+    /// When they may move (always, or only inside the caller's calls).
+    pub(crate) gate: Arc<crate::collectives::gate::Gate>,
     /// The thread whose operations this communicator runs ([`this_thread`]).
     owner: AtomicU64,
+    /// The highest shared view number this link has carried.
+    views: view::Views,
 }
 
 impl Comm {
@@ -176,23 +189,27 @@ impl Comm {
             medium,
             peers_max,
             described,
-            abort_request,
             me,
-            executor: AtomicU64::new(0),
-            scope: AtomicPtr::new(std::ptr::null_mut()),
-            scope_held: Mutex::new(()),
-            gate: Default::default(),
             rank: cfg.rank,
             size: cfg.world_size,
-            inner: Mutex::new(Inner {
-                link,
-                scratch: Default::default(),
+            core: Arc::new(Core {
+                inner: Mutex::new(Inner {
+                    link,
+                    scratch: Default::default(),
+                }),
+                poisoned: Mutex::new(None),
+                is_poisoned: AtomicBool::new(false),
+                abort_request,
+                executor: AtomicU64::new(0),
+                scope: AtomicPtr::new(std::ptr::null_mut()),
+                scope_held: Mutex::new(()),
+                gate: Default::default(),
+                owner: AtomicU64::new(this_thread()),
+                views: Default::default(),
             }),
-            poisoned: Mutex::new(None),
-            is_poisoned: AtomicBool::new(false),
+            view: None,
             algo: Mutex::new(algo),
             cfg,
-            owner: AtomicU64::new(this_thread()),
         }
     }
 
@@ -218,7 +235,10 @@ impl Comm {
     /// Makes the calling thread this communicator's owner, after it was moved here (`&mut`:
     /// no other thread can be using it meanwhile).
     pub fn adopt(&mut self) {
-        *self.owner.get_mut() = this_thread();
+        match &mut self.view {
+            Some(v) => *v.owner.get_mut() = this_thread(),
+            None => self.core.owner.store(this_thread(), Ordering::Relaxed),
+        }
     }
 
     /// A new communicator over the same ranks, independent of this one (its own connections,
@@ -234,12 +254,20 @@ impl Comm {
     /// adapter's `comm()`): its queue lives on that thread's stack.
     #[cfg(any(feature = "nuvec", feature = "fuel"))]
     pub(crate) fn claim(&self, what: &str) -> Result<()> {
+        if self.view.is_some() {
+            // Its link runs on its parent's thread, in one order with the parent.
+            return Err(Error::WrongThread(format!(
+                "{what}: a shared view (Comm::split_shared) cannot serve a framework's \
+                 transport, which takes calls from any thread: give it Comm::split_comm or \
+                 Comm::dup"
+            )));
+        }
         let me = this_thread();
-        let _held = match self.scope_held.try_lock() {
+        let _held = match self.core.scope_held.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => {
-                if self.owner.load(Ordering::Relaxed) == me {
+                if self.core.owner.load(Ordering::Relaxed) == me {
                     return Ok(()); // the scope's own thread
                 }
                 return Err(Error::WrongThread(format!(
@@ -249,7 +277,7 @@ impl Comm {
                 )));
             }
         };
-        self.owner.store(me, Ordering::Relaxed);
+        self.core.owner.store(me, Ordering::Relaxed);
         Ok(())
     }
 
@@ -258,8 +286,13 @@ impl Comm {
     /// later call fails. Skipped while an operation holds the link.
     #[cfg(any(feature = "nuvec", feature = "fuel"))]
     pub(crate) fn close(&self, why: &str) {
+        if let Some(v) = &self.view {
+            // The link is its parent's too: only the view ends.
+            v.closed.store(true, Ordering::Relaxed);
+            return;
+        }
         self.poison_with(format!("rank {} {why}", self.rank));
-        let link = match self.inner.try_lock() {
+        let link = match self.core.inner.try_lock() {
             Ok(mut g) => g.link.take(),
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().link.take(),
             Err(std::sync::TryLockError::WouldBlock) => None,
@@ -279,7 +312,15 @@ impl Comm {
     #[inline]
     pub(crate) fn check_thread(&self, what: &dyn std::fmt::Display) -> Result<()> {
         let me = this_thread();
-        if self.owner.load(Ordering::Relaxed) == me || self.executor.load(Ordering::Relaxed) == me {
+        let link_owner = self.core.owner.load(Ordering::Relaxed) == me
+            || self.core.executor.load(Ordering::Relaxed) == me;
+        // A shared view runs on its own owner, while that thread owns the link too.
+        if link_owner
+            && self
+                .view
+                .as_ref()
+                .map_or(true, |v| v.owner.load(Ordering::Relaxed) == me)
+        {
             return Ok(());
         }
         self.wrong_thread(what)
@@ -324,7 +365,7 @@ impl Comm {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.core.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs operation `desc` with the peers of `scope` as `f` on the link, from the
@@ -345,11 +386,22 @@ impl Comm {
             // A world of one never gets here; a closed communicator is poisoned before.
             return Err(Error::Poisoned(format!("rank {} has no link", self.rank)));
         };
+        // A shared view's operation is the link's, in its ranks and under its number.
+        let mut lists = Default::default();
+        let (desc, scope) = match &self.view {
+            None => (desc, scope),
+            Some(v) => (OpDesc { comm: v.id, ..desc }, v.scope(scope, &mut lists)),
+        };
         link.start(&desc, scope);
         link.watch_mut().started(&desc, scope);
         let scratch = &mut inner.scratch;
+        let view = self.view.as_ref();
         let r = catch_unwind(AssertUnwindSafe(|| {
-            f(&mut *link, scratch).and_then(|v| crate::collectives::pause::finish(link).map(|_| v))
+            match view {
+                None => f(&mut *link, scratch),
+                Some(v) => f(&mut v.over(&mut *link), scratch),
+            }
+            .and_then(|v| crate::collectives::pause::finish(link).map(|_| v))
         }));
         if let Some(l) = link.lending() {
             l.release();
@@ -357,16 +409,16 @@ impl Comm {
         match r {
             Ok(mut r) => {
                 if let Err(Error::Aborted { by, reason }) = &mut r {
-                    if by.rank != self.rank {
+                    if by.rank != self.me.rank {
                         // Both sides' calls: the peer's cause, and where this rank stood.
-                        *reason = format!("{reason} (rank {} was in {desc})", self.rank);
+                        *reason = format!("{reason} (rank {} was in {desc})", self.me.rank);
                     }
                 }
                 if let Err(e) = &r {
                     if e.is_argument() {
                         // Found here, inside the operation (a peer's lengths differ from this
                         // rank's): the peers learn the cause now instead of waiting on us.
-                        link.abort(format!("rank {} failed inside {desc}: {e}", self.rank));
+                        link.abort(format!("rank {} failed inside {desc}: {e}", self.me.rank));
                     }
                     self.poison(e);
                 }
@@ -375,7 +427,7 @@ impl Comm {
             Err(panic) => {
                 let why = format!(
                     "rank {} panicked inside {desc}: {}",
-                    self.rank,
+                    self.me.rank,
                     panic_text(&*panic)
                 );
                 link.abort(why.clone());
@@ -392,10 +444,10 @@ impl Comm {
     #[inline]
     fn wait_started_ones(&self) {
         // Only the scope's own thread (the owner) may run its operations.
-        if self.owner.load(Ordering::Relaxed) != this_thread() {
+        if self.core.owner.load(Ordering::Relaxed) != this_thread() {
             return;
         }
-        let h = self.scope.load(Ordering::Acquire);
+        let h = self.core.scope.load(Ordering::Acquire);
         if !h.is_null() {
             // SAFETY: an open scope registers its hook, which points at its queue, and clears
             // it before either drops; the owner is the thread the scope runs on, so the scope
@@ -413,16 +465,26 @@ impl Comm {
     }
 
     fn poison_as(&self, why: Poison) {
-        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.core.poisoned.lock().unwrap_or_else(|e| e.into_inner());
         if p.is_none() {
             *p = Some(why);
-            self.is_poisoned.store(true, Ordering::Release);
+            self.core.is_poisoned.store(true, Ordering::Release);
         }
     }
 
     #[inline]
     pub(crate) fn check_usable(&self) -> Result<()> {
-        if !self.is_poisoned.load(Ordering::Acquire) {
+        if let Some(v) = self
+            .view
+            .as_ref()
+            .filter(|v| v.closed.load(Ordering::Relaxed))
+        {
+            return Err(Error::Poisoned(format!(
+                "rank {}: this shared view (number {}) was closed",
+                self.rank, v.id
+            )));
+        }
+        if !self.core.is_poisoned.load(Ordering::Acquire) {
             return Ok(());
         }
         self.poisoned_error()
@@ -430,7 +492,7 @@ impl Comm {
 
     #[cold]
     fn poisoned_error(&self) -> Result<()> {
-        match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
+        match &*self.core.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(Poison(first)) => Err(first.again()),
             None => Ok(()),
         }
@@ -464,7 +526,7 @@ impl Comm {
         {
             return e;
         }
-        let why = format!("rank {} refused its call: {e}", self.rank);
+        let why = format!("rank {} refused its call: {e}", self.me.rank);
         self.end_and_tell(Poison(Error::Poisoned(why.clone())), &why);
         e
     }
@@ -474,15 +536,15 @@ impl Comm {
     fn end_and_tell(&self, poison: Poison, reason: &str) {
         self.poison_as(poison);
         // An operation held between its caller's calls goes on, to see the abort.
-        self.gate.hold(false);
-        let Some(req) = &self.abort_request else {
+        self.core.gate.hold(false);
+        let Some(req) = &self.core.abort_request else {
             return;
         };
         req.request(reason);
         // An operation that runs sees the request at its next poll; otherwise tell the peers here.
         let until = Instant::now() + self.cfg.timeout + Duration::from_secs(1);
         loop {
-            let g = match self.inner.try_lock() {
+            let g = match self.core.inner.try_lock() {
                 Ok(g) => Some(g),
                 Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
                 Err(std::sync::TryLockError::WouldBlock) => None,

@@ -184,7 +184,7 @@ impl Communicator for Comm {
     /// known (that operation itself fails within the timeout if a peer is lost).
     fn health(&self) -> Result<()> {
         self.check_usable()?;
-        let mut g = match self.inner.try_lock() {
+        let mut g = match self.core.inner.try_lock() {
             Ok(g) => g,
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return Ok(()),

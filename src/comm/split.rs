@@ -5,7 +5,7 @@ use super::*;
 
 impl Comm {
     /// All-gathers `input` as step `step` of a split.
-    fn split_step(&self, step: u8, input: &[u8], output: &mut [u8]) -> Result<()> {
+    pub(super) fn split_step(&self, step: u8, input: &[u8], output: &mut [u8]) -> Result<()> {
         check_all_gather(self.size, input, output)?;
         let n = input.len();
         let desc = OpDesc {
@@ -42,7 +42,7 @@ impl Comm {
         if self.check_usable().is_ok() {
             let why = format!(
                 "rank {} could not set up its subgroup in split: {e}",
-                self.rank
+                self.me.rank
             );
             self.end_and_tell(Poison(Error::Poisoned(why.clone())), &why);
         }
@@ -83,7 +83,7 @@ impl Comm {
                     .lock()
                     .link
                     .as_ref()
-                    .map(|l| l.peer(r).addr)
+                    .map(|l| l.peer(self.link_rank(r)).addr)
                     .unwrap_or_default();
                 if a.is_empty() {
                     "127.0.0.1".into()
@@ -177,11 +177,11 @@ impl Comm {
             return Some(members.len());
         }
         let hosts = props.hosts.as_deref()?;
-        let mine = *hosts.get(self.rank)?;
+        let mine = *hosts.get(self.link_rank(self.rank))?;
         Some(
             members
                 .iter()
-                .filter(|&&q| hosts.get(q) == Some(&mine))
+                .filter(|&&q| hosts.get(self.link_rank(q)) == Some(&mine))
                 .count(),
         )
     }

@@ -66,7 +66,7 @@ impl Track for Queue<'_> {
     }
 
     fn test(&self) {
-        self.comm.gate.test();
+        self.comm.core.gate.test();
     }
 }
 
@@ -171,11 +171,18 @@ impl Comm {
     where
         F: FnOnce(&Overlap<'env>) -> R,
     {
+        if self.is_shared_view() {
+            return Err(Error::InvalidArgument(
+                "overlap: a shared view (Comm::split_shared) runs in one order with the \
+                 communicator it shares: open the scope there"
+                    .into(),
+            ));
+        }
         // Held for the scope's life, and taken before the owner check: an adapter's claim
         // from another thread cannot slip in between, nor during the scope.
         let mut tries = 0;
         let _held = loop {
-            match self.scope_held.try_lock() {
+            match self.core.scope_held.try_lock() {
                 Ok(g) => break g,
                 Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
                 // An adapter's claim holds it for an instant; a scope, for its life.
@@ -193,7 +200,7 @@ impl Comm {
             }
         };
         self.check_thread(&"overlap")?;
-        if self.executor.load(Ordering::Relaxed) != 0 {
+        if self.core.executor.load(Ordering::Relaxed) != 0 {
             return Err(Error::InvalidArgument(
                 "overlap: a scope is open on this communicator already (scopes do not nest)".into(),
             ));
@@ -210,7 +217,10 @@ impl Comm {
         struct Open<'a>(&'a Comm);
         impl Drop for Open<'_> {
             fn drop(&mut self) {
-                self.0.scope.store(std::ptr::null_mut(), Ordering::Release);
+                self.0
+                    .core
+                    .scope
+                    .store(std::ptr::null_mut(), Ordering::Release);
             }
         }
         let hook = ScopeHook {
@@ -218,11 +228,12 @@ impl Comm {
             drain: drain_queue,
         };
         // Registered after the hook is made and cleared (by `Open`) before it drops.
-        self.scope
+        self.core
+            .scope
             .store(std::ptr::from_ref(&hook).cast_mut(), Ordering::Release);
         let open = Open(self);
         let held = progress == Progress::Caller;
-        self.gate.hold(held);
+        self.core.gate.hold(held);
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let r = std::thread::scope(|ts| {
             let cpu = self.progress_cpu();
@@ -232,21 +243,21 @@ impl Comm {
                     if let Some(id) = cpu {
                         core_affinity::set_for_current(core_affinity::CoreId { id });
                     }
-                    q.comm.executor.store(this_thread(), Ordering::Relaxed);
+                    q.comm.core.executor.store(this_thread(), Ordering::Relaxed);
                     let _ = started_tx.send(());
                     if held {
-                        crate::collectives::pause::set(Some(q.comm.gate.clone()));
+                        crate::collectives::pause::set(Some(q.comm.core.gate.clone()));
                         q.serve_held();
                         crate::collectives::pause::set(None);
                     } else {
                         q.serve();
                     }
-                    q.comm.executor.store(0, Ordering::Relaxed);
+                    q.comm.core.executor.store(0, Ordering::Relaxed);
                 });
             let progress = match progress {
                 Ok(p) => p,
                 Err(e) => {
-                    self.gate.hold(false);
+                    self.core.gate.hold(false);
                     return Err(Error::Io(e));
                 }
             };
@@ -255,7 +266,7 @@ impl Comm {
             let r = catch_unwind(AssertUnwindSafe(|| f(&scope)));
             q.close();
             // What is left runs to its end now.
-            self.gate.hold(false);
+            self.core.gate.hold(false);
             let _ = progress.join();
             Ok(r)
         })?;

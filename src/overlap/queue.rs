@@ -212,7 +212,7 @@ impl<'env> Queue<'env> {
             return;
         }
         // Under caller progress, the operations move freely while their caller waits.
-        let _free = self.comm.gate.waiting();
+        let _free = self.comm.core.gate.waiting();
         while !done() {
             if self.run_next(true) {
                 continue;
@@ -286,7 +286,7 @@ impl<'env> Queue<'env> {
     /// The runner under `RDMACOMM_PROGRESS=caller`: runs operations only while the gate lets
     /// them move, until closed and every one finished.
     pub(super) fn serve_held(&self) {
-        let gate = &self.comm.gate;
+        let gate = &self.comm.core.gate;
         loop {
             gate.enter();
             if self.run_next(false) {

@@ -116,8 +116,11 @@ pub struct OpDesc {
     pub algo: u8,
     /// The root of a rooted operation ([`OpKind::rooted`]; 0 otherwise).
     pub root: usize,
-    /// The byte length that sets the transfer (see [`OpKind`]).
+    /// The byte length that sets the transfer (see [`OpKind`]); 48 bits on the wire.
     pub bytes: u64,
+    /// The communicator that called it, where several share one link (a shared view's number,
+    /// see `Comm::split_shared`; 0: the link's own).
+    pub comm: u16,
 }
 
 /// Which peers an operation exchanges with, for its numbering ([`OpDesc::seq`]).
@@ -179,14 +182,16 @@ impl OpDesc {
             algo: 0,
             root: 0,
             bytes: bytes as u64,
+            comm: 0,
         }
     }
 
-    /// The 16 bytes on the wire: bytes (u64), seq (low 16 bits), root (u16), kind, dtype,
-    /// reduction, algorithm (little-endian; 0 = none for dtype and reduction).
+    /// The 16 bytes on the wire: bytes (48 bits), comm (u16), seq (low 16 bits), root (u16),
+    /// kind, dtype, reduction, algorithm (little-endian; 0 = none for dtype and reduction).
     pub fn encode(&self) -> [u8; WIRE] {
         let mut w = [0u8; WIRE];
-        w[..8].copy_from_slice(&self.bytes.to_le_bytes());
+        w[..6].copy_from_slice(&self.bytes.to_le_bytes()[..6]);
+        w[6..8].copy_from_slice(&self.comm.to_le_bytes());
         w[8..10].copy_from_slice(&(self.seq as u16).to_le_bytes());
         w[10..12].copy_from_slice(&(self.root as u16).to_le_bytes());
         w[12] = self.kind.code();
@@ -227,7 +232,8 @@ impl OpDesc {
             },
             algo: w[15],
             root: u16::from_le_bytes([w[10], w[11]]) as usize,
-            bytes: u64::from_le_bytes(w[..8].try_into().expect("8 bytes")),
+            bytes: u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], 0, 0]),
+            comm: u16::from_le_bytes([w[6], w[7]]),
         })
     }
 
@@ -296,6 +302,9 @@ impl std::fmt::Display for OpDesc {
         ) {
             args.push(self.algo_name());
         }
+        if self.comm != 0 {
+            args.push(format!("on shared view {}", self.comm));
+        }
         write!(f, "{name}({})", args.join(", "))
     }
 }
@@ -313,6 +322,7 @@ mod tests {
             algo: 3,
             root: 0,
             bytes: 4 << 20,
+            comm: 0,
         }
     }
 
@@ -333,6 +343,12 @@ mod tests {
         b.root = 5;
         b.algo = 1;
         assert_eq!(OpDesc::decode(&b.encode(), b.seq), Some(b));
+        b.comm = 513;
+        b.bytes = (1 << 48) - 1;
+        assert_eq!(OpDesc::decode(&b.encode(), b.seq), Some(b), "a view's call");
+        let parent = OpDesc { comm: 0, ..b };
+        let e = parent.check(&b.encode(), 1, 0).unwrap_err();
+        assert!(e.contains("on shared view 513"), "{e}");
     }
 
     #[test]
