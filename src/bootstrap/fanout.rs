@@ -122,11 +122,13 @@ pub(super) fn listen_beside(
     to_rank0: &TcpStream,
     bind: Option<IpAddr>,
 ) -> std::io::Result<TcpListener> {
-    let ip = match bind {
-        Some(ip) => ip,
-        None => to_rank0.local_addr()?.ip(),
+    // The connection's own address keeps an IPv6 link-local scope, which its IP alone loses.
+    let mut at = match bind {
+        Some(ip) => SocketAddr::new(ip, 0),
+        None => to_rank0.local_addr()?,
     };
-    listen(SocketAddr::new(ip, 0))
+    at.set_port(0);
+    listen(at)
 }
 
 /// One connection to the listener, its bytes so far and when it must next say something.

@@ -314,16 +314,12 @@ impl Comm {
         let me = this_thread();
         let link_owner = self.core.owner.load(Ordering::Relaxed) == me
             || self.core.executor.load(Ordering::Relaxed) == me;
-        // A shared view runs on its own owner, while that thread owns the link too.
-        if link_owner
-            && self
-                .view
-                .as_ref()
-                .map_or(true, |v| v.owner.load(Ordering::Relaxed) == me)
-        {
-            return Ok(());
+        match &self.view {
+            None if link_owner => Ok(()),
+            // A shared view runs on its own owner, while that thread owns the link too.
+            Some(v) if link_owner && v.owner.load(Ordering::Relaxed) == me => Ok(()),
+            _ => self.wrong_thread(what),
         }
-        self.wrong_thread(what)
     }
 
     #[cold]
@@ -474,6 +470,15 @@ impl Comm {
 
     #[inline]
     pub(crate) fn check_usable(&self) -> Result<()> {
+        if !self.core.is_poisoned.load(Ordering::Acquire) && self.view.is_none() {
+            return Ok(());
+        }
+        self.unusable()
+    }
+
+    /// [`Comm::check_usable`] for a failed communicator or a shared view.
+    #[cold]
+    fn unusable(&self) -> Result<()> {
         if let Some(v) = self
             .view
             .as_ref()
