@@ -22,6 +22,8 @@ pub struct Buffers {
     packed: [Vec<u8>; 2],
     at: [Vec<usize>; 2],
     lens: Vec<usize>,
+    /// Uneven blocks' lengths as sent and as received.
+    wire_lens: [Vec<u8>; 2],
 }
 
 /// Rank p's block q of `input` (at `send_at`) into rank q's block p of `output` (at
@@ -167,6 +169,7 @@ fn packed(
         packed: [cur, next],
         at: [at, next_at],
         lens: lens_in,
+        wire_lens: [lens_out, raw],
     } = bufs;
     // Position j (1..n) of the working set: `at[j]..at[j + 1]` of `cur`.
     cur.clear();
@@ -179,7 +182,6 @@ fn packed(
         cur.extend_from_slice(&input[send_at.range((r + j) % n)]);
     }
     at[n] = cur.len();
-    let mut lens_out = Vec::new();
     let mut k = 1;
     while k < n {
         let (to, from) = ((r + k) % n, (r + n - k) % n);
@@ -197,8 +199,9 @@ fn packed(
             for j in moving() {
                 lens_out.extend_from_slice(&((at[j + 1] - at[j]) as u64).to_le_bytes());
             }
-            let mut raw = vec![0u8; lens_out.len()];
-            exchange_with(link, &[(to, &lens_out)], &mut [(from, &mut raw)], counters)?;
+            raw.clear();
+            raw.resize(lens_out.len(), 0);
+            exchange_with(link, &[(to, lens_out)], &mut [(from, raw)], counters)?;
             lens_in.extend(
                 raw.chunks_exact(8)
                     .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize),
