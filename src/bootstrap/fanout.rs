@@ -221,11 +221,16 @@ pub(super) fn take_forwarded(
                 ),
             });
         }
-        let mut accept_failed = false;
+        let (mut accept_failed, mut accepted) = (false, 0);
         loop {
+            // When full, those just accepted are read before any is judged to make room.
+            if pending.len() >= MAX_PENDING && accepted > 0 {
+                break;
+            }
             match listener.accept() {
                 Ok((sock, _)) => {
                     busy = true;
+                    accepted += 1;
                     if pending.len() >= MAX_PENDING {
                         // The oldest that has not begun a frame of this group makes room.
                         let i = (0..pending.len())
@@ -573,20 +578,18 @@ mod tests {
         assert_eq!(e.peer().map(|p| p.rank), Some(1), "{e}");
         assert!(e.to_string().contains("rank 1 hung"), "{e}");
 
-        // The rank above began its frame, then a flood of idle strangers: those make room,
-        // not it.
+        // The rank above began its frame, then a flood of idle strangers, all queued before
+        // this rank looks: those make room, not it (it was closed as the oldest, first).
         let (_rank0, to_rank0) = pair();
         let whole = frame(TABLE, &table);
         let mut real = TcpStream::connect(at).unwrap();
         real.write_all(&whole[..5]).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
+        let _flood: Vec<TcpStream> = (0..2 * MAX_PENDING)
+            .map(|_| TcpStream::connect(at).unwrap())
+            .collect();
         let taker = std::thread::scope(|sc| {
             let t =
                 sc.spawn(|| take_forwarded(&l, &to_rank0, &route, 17, 20, Duration::from_secs(5)));
-            std::thread::sleep(Duration::from_millis(100));
-            let _flood: Vec<TcpStream> = (0..2 * MAX_PENDING)
-                .map(|_| TcpStream::connect(at).unwrap())
-                .collect();
             std::thread::sleep(Duration::from_millis(200));
             real.write_all(&whole[5..]).unwrap();
             t.join().unwrap()
