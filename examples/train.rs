@@ -10,6 +10,14 @@
 //!
 //! `target/release/rdmacomm-run -n 4 -- target/release/examples/train` (RDMA where a device is
 //! usable, TCP otherwise), or inside the soft-RoCE VM: `tools/rxe-vm -- ...`.
+//!
+//! `rdmacomm-run -n 4 --max-restarts 1 -- train --elastic`: a rank is lost mid-training and the
+//! job goes on. Rank 2 SIGKILLs itself inside step 20 and the launcher starts a replacement; the three
+//! survivors shrink, agree on the last step every one completed, roll back to it and redo the
+//! next; at step 30 they grow by the replacement, which receives the step and the weights by
+//! broadcast. It prints the time from the fault to the first completed step after it, and
+//! checks that the final weights are bit-identical on every rank (and how far they are from a
+//! run that never failed: the sums' order differs while three ranks share the samples).
 
 use rdmacomm::{AllReduce, Comm, Communicator, DType};
 use std::time::Instant;
@@ -124,7 +132,180 @@ fn train(c: &Comm, overlap: bool) -> rdmacomm::Result<(Vec<f32>, f64)> {
     Ok((w, ms))
 }
 
+/// The step inside which rank 2 is lost, and the one before which its replacement joins.
+const FAULT_STEP: usize = 20;
+const GROW_STEP: usize = 30;
+
+/// One step of blocking training on `c` from weights `w`: backward over this rank's shard, the
+/// buckets all-reduced, the update; the loss summed over all ranks.
+fn step_on(c: &Comm, w: &mut [f32], grad: &mut [f32]) -> rdmacomm::Result<f32> {
+    let shard: Vec<usize> = (c.rank()..SAMPLES).step_by(c.size()).collect();
+    let mut loss = 0f32;
+    let buckets = || (0..LAYERS.div_ceil(per_bucket())).rev();
+    for b in buckets() {
+        for l in b * per_bucket()..((b + 1) * per_bucket()).min(LAYERS) {
+            let r = l * PARAMS..(l + 1) * PARAMS;
+            backward(l, &w[r.clone()], &shard, &mut grad[r], &mut loss);
+        }
+        let r = b * per_bucket() * PARAMS..((b + 1) * per_bucket()).min(LAYERS) * PARAMS;
+        c.all_reduce(
+            AllReduce::Sum,
+            DType::f32,
+            bytemuck::cast_slice_mut(&mut grad[r]),
+        )?;
+    }
+    let mut l = [loss];
+    c.all_reduce(AllReduce::Sum, DType::f32, bytemuck::cast_slice_mut(&mut l))?;
+    for (wi, gi) in w.iter_mut().zip(grad.iter()) {
+        *wi -= LR * gi / SAMPLES as f32;
+    }
+    Ok(l[0] / (SAMPLES * LAYERS * PARAMS) as f32)
+}
+
+/// Rank 0's step and weights, on every rank (a newcomer's start).
+fn share(c: &Comm, step: &mut usize, w: &mut [f32]) -> rdmacomm::Result<()> {
+    let mut s = (*step as u64).to_le_bytes();
+    c.broadcast(0, &mut s)?;
+    *step = u64::from_le_bytes(s) as usize;
+    c.broadcast(0, bytemuck::cast_slice_mut(w))
+}
+
+/// Training that loses rank 2 at [`FAULT_STEP`] and takes its replacement at [`GROW_STEP`].
+fn elastic() -> rdmacomm::Result<()> {
+    let mut w = vec![0f32; LAYERS * PARAMS];
+    let mut grad = vec![0f32; LAYERS * PARAMS];
+    // The weights after the last step this rank completed, and after the one before.
+    let (mut done, mut before) = (0usize, w.clone());
+    let mut step = 0;
+    // A replacement (`RDMACOMM_REPLACEMENT=1`, set by the launcher) joins the running group.
+    let mut c = Comm::from_env()?;
+    let newcomer = c.rejoined();
+    if newcomer {
+        share(&c, &mut step, &mut w)?;
+        println!(
+            "[newcomer] joined as rank {} of {} at step {step}, weights received",
+            c.rank(),
+            c.size()
+        );
+        done = step;
+    }
+    let mut fault: Option<Instant> = None;
+    let mut grown = newcomer;
+    while step < STEPS {
+        if step == FAULT_STEP && c.rank() == 2 && !grown && fault.is_none() && c.epoch() == 0 {
+            // SIGKILL from inside the step; the launcher starts the replacement.
+            std::thread::spawn(|| {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                // SAFETY: kill(2) on this process; no memory is involved.
+                unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+            });
+        }
+        if step == GROW_STEP && !grown {
+            let t = Instant::now();
+            let next = c.grow(1)?;
+            drop(c);
+            c = next;
+            share(&c, &mut step, &mut w)?;
+            grown = true;
+            if c.rank() == 0 {
+                println!(
+                    "step {step:3}: grew to {} ranks in {:.1} ms; the newcomer has the weights",
+                    c.size(),
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+            }
+        }
+        let snapshot = w.clone();
+        match step_on(&c, &mut w, &mut grad) {
+            Ok(loss) => {
+                (done, before) = (step + 1, snapshot);
+                step += 1;
+                if let Some(t) = fault.take() {
+                    if c.rank() == 0 {
+                        println!(
+                            "step {step:3}: first step completed {:.1} ms after the fault was seen",
+                            t.elapsed().as_secs_f64() * 1e3
+                        );
+                    }
+                }
+                if step % 10 == 0 && c.rank() == 0 {
+                    println!("step {step:3} loss {loss:.6} ({} ranks)", c.size());
+                }
+            }
+            Err(e) => {
+                let t = Instant::now();
+                if c.rank() == 0 || c.rank() == 1 {
+                    println!("step {step:3} failed: {e}");
+                }
+                let (next, agreed) = c.shrink(done as u64)?;
+                drop(c);
+                c = next;
+                // Back to the last step every survivor completed; a rank one step ahead rolls
+                // back (its update of that step undone from its snapshot).
+                let least = agreed.least as usize;
+                if done > least {
+                    w.copy_from_slice(&before);
+                } else {
+                    w.copy_from_slice(&snapshot);
+                }
+                step = least;
+                fault = Some(t);
+                if c.rank() == 0 {
+                    println!(
+                        "step {step:3}: shrunk to ranks {:?} of the old group in {:.1} ms; \
+                         they agree to go on from step {least}",
+                        agreed.members,
+                        t.elapsed().as_secs_f64() * 1e3
+                    );
+                }
+            }
+        }
+    }
+    let (rank, n) = (c.rank(), c.size());
+    let bits: Vec<u32> = w.iter().map(|v| v.to_bits()).collect();
+    let mut all = vec![0u32; bits.len() * n];
+    c.all_gather(
+        bytemuck::cast_slice(&bits),
+        bytemuck::cast_slice_mut(&mut all),
+    )?;
+    let same = all.chunks(bits.len()).all(|q| q == bits.as_slice());
+    if rank == 0 {
+        // A run that never failed, on this rank alone (every sample in order).
+        let mut r = vec![0f32; LAYERS * PARAMS];
+        let mut g = vec![0f32; PARAMS];
+        let every: Vec<usize> = (0..SAMPLES).collect();
+        for _ in 0..STEPS {
+            for l in 0..LAYERS {
+                let wl = &mut r[l * PARAMS..(l + 1) * PARAMS];
+                backward(l, wl, &every, &mut g, &mut 0.0);
+                for (wi, gi) in wl.iter_mut().zip(&g) {
+                    *wi -= LR * gi / SAMPLES as f32;
+                }
+            }
+        }
+        let far = w
+            .iter()
+            .zip(&r)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!(
+            "final weights {} on all {n} ranks (w[0] {:.5}, w[last] {:.5}); at most {far:.2e} \
+             from a run that never failed",
+            if same { "bit-identical" } else { "DIFFER" },
+            w[0],
+            w[w.len() - 1]
+        );
+    }
+    if !same {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
 fn main() -> rdmacomm::Result<()> {
+    if std::env::args().any(|a| a == "--elastic") {
+        return elastic();
+    }
     let c = Comm::from_env()?;
     let (rank, n) = (c.rank(), c.size());
     let (w_block, ms_block) = train(&c, false)?;

@@ -11,6 +11,21 @@ use std::time::Duration;
 /// secret (`RDMACOMM_SECRET`) unless they are set, so another job's ranks on the same port are
 /// refused. If any rank fails, the others are killed. Returns the first failing exit code, or 0.
 pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io::Result<i32> {
+    run_local_with(n, prog, args, prefix, 0)
+}
+
+/// [`run_local`], elastic where `restarts > 0` (torchrun's `--max-restarts`): a rank that fails
+/// does not stop the others but is started again, with the same variables and
+/// `RDMACOMM_REPLACEMENT=1` (the program then joins the running group with `Comm::rejoin`), up
+/// to `restarts` times in all. Returns 0 when every rank's last process succeeded, else the
+/// first failing exit code.
+pub fn run_local_with(
+    n: usize,
+    prog: &str,
+    args: &[String],
+    prefix: bool,
+    restarts: usize,
+) -> std::io::Result<i32> {
     let port = match std::env::var("MASTER_PORT") {
         Ok(p) => p,
         Err(_) => TcpListener::bind("127.0.0.1:0")?
@@ -30,11 +45,10 @@ pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io
         let key = crate::bootstrap::rendezvous::random::<16>();
         identity.push(("RDMACOMM_SECRET", hex(&key)));
     }
-    let mut children: Vec<Child> = Vec::with_capacity(n);
     let mut pumps = Vec::new();
-    for r in 0..n {
-        let spawned = Command::new(prog)
-            .args(args)
+    let mut start = |r: usize, replacement: bool| -> std::io::Result<Child> {
+        let mut cmd = Command::new(prog);
+        cmd.args(args)
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", r.to_string())
@@ -46,20 +60,13 @@ pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io
             .envs(identity.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                for c in children.iter_mut() {
-                    let _ = c.kill();
-                }
-                return Err(std::io::Error::new(
-                    e.kind(),
-                    format!("cannot start {prog}: {e}"),
-                ));
-            }
-        };
+            .stderr(Stdio::piped());
+        if replacement {
+            cmd.env("RDMACOMM_REPLACEMENT", "1");
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start {prog}: {e}")))?;
         let out = child.stdout.take().expect("piped");
         let err = child.stderr.take().expect("piped");
         let tag = if prefix {
@@ -80,24 +87,54 @@ pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io
                 let _ = writeln!(o, "{t2}{line}");
             }
         }));
-        children.push(child);
+        Ok(child)
+    };
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    for r in 0..n {
+        match start(r, false) {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                return Err(e);
+            }
+        }
     }
     let mut done = vec![false; n];
-    let mut code = 0;
+    // The first failure in time; and whether each rank's last process failed.
+    let mut first = None;
+    let mut failed = vec![false; n];
+    let mut left = restarts;
     while done.iter().any(|d| !d) {
         for r in 0..n {
             if done[r] {
                 continue;
             }
-            if let Some(st) = children[r].try_wait()? {
-                done[r] = true;
-                if !st.success() && code == 0 {
-                    code = st.code().unwrap_or(1).max(1);
-                    eprintln!("rdmacomm-run: rank {r} failed ({st}); stopping the other ranks");
-                    for (q, c) in children.iter_mut().enumerate() {
-                        if !done[q] {
-                            let _ = c.kill();
-                        }
+            let Some(st) = children[r].try_wait()? else {
+                continue;
+            };
+            if !st.success() && left > 0 {
+                left -= 1;
+                eprintln!("rdmacomm-run: rank {r} failed ({st}); starting its replacement");
+                match start(r, true) {
+                    Ok(c) => {
+                        children[r] = c;
+                        continue;
+                    }
+                    Err(e) => eprintln!("rdmacomm-run: {e}"),
+                }
+            }
+            done[r] = true;
+            failed[r] = !st.success();
+            if failed[r] && first.is_none() {
+                first = Some(st.code().unwrap_or(1).max(1));
+            }
+            if failed[r] && restarts == 0 {
+                eprintln!("rdmacomm-run: rank {r} failed ({st}); stopping the other ranks");
+                for (q, c) in children.iter_mut().enumerate() {
+                    if !done[q] {
+                        let _ = c.kill();
                     }
                 }
             }
@@ -107,5 +144,10 @@ pub fn run_local(n: usize, prog: &str, args: &[String], prefix: bool) -> std::io
     for p in pumps {
         let _ = p.join();
     }
-    Ok(code)
+    // Elastic: a rank whose replacement succeeded is no failure of the job.
+    Ok(if failed.contains(&true) {
+        first.unwrap_or(1)
+    } else {
+        0
+    })
 }

@@ -57,14 +57,14 @@ mod verbs;
 mod wide16;
 
 pub use api::{Communicator, P2p};
-pub use comm::Comm;
+pub use comm::{Agreed, Comm};
 pub use config::{Algo, Config, Progress};
 pub use diag::Level as DebugLevel;
 pub use dtype::{AllReduce, DType, Element};
 pub use error::{Error, Peer, Result};
 pub use group::Group;
 pub use identity::IdentityComm;
-pub use launch::run_local;
+pub use launch::{run_local, run_local_with};
 
 /// The kernels this process chose at run time, in words, for benchmark reports: the reductions'
 /// instruction set and the copy kernel (`reduce Avx2, copy Simd`).

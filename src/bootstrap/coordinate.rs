@@ -6,7 +6,7 @@ use super::admission::{Admission, Verdict};
 use super::auth::{digest, mac, mac_ok, random, KEY};
 use super::fanout::{children_of, parent_of, Route};
 use super::hello::{decode_card, decode_hello, Card, Hello};
-use super::outcome::{resolve, Rendezvous};
+use super::outcome::{resolve, Control, Rendezvous};
 use super::table;
 use super::wire::*;
 use super::SideChannel;
@@ -108,14 +108,22 @@ fn closed(s: &TcpStream) -> bool {
     dead
 }
 
-/// Rank 0's side. With `own_error` (this rank's configuration is bad), every rank that joins is
-/// refused with it.
+/// Why rank 0 meets the group only to refuse it.
+#[derive(Clone, Copy)]
+pub(crate) enum Stop<'a> {
+    /// Its configuration is bad (this text).
+    Config(&'a str),
+    /// The group cannot form, for this reason (a grow whose newcomers did not all come).
+    Group(&'a str),
+}
+
+/// Rank 0's side. With `stop`, every rank that joins is refused with it.
 pub(super) fn coordinate(
     cfg: &Config,
     card: &Card,
     deadline: Instant,
     listener: Option<TcpListener>,
-    own_error: Option<&str>,
+    stop: Option<Stop>,
 ) -> Result<Rendezvous> {
     let n = cfg.world_size;
     let sa = resolve(&cfg.coordinator)?;
@@ -134,6 +142,24 @@ pub(super) fn coordinate(
         })?,
     };
     listener.set_nonblocking(true)?;
+    // Rank 0's control port (`Control`), beside the coordinator's; it is no condition of the
+    // group forming (a rank without one is skipped as a shrink's coordinator).
+    let control = if stop.is_none() {
+        let mut at = match &cfg.bind_addr {
+            Some(a) => a
+                .parse::<std::net::IpAddr>()
+                .map_or(sa, |ip| SocketAddr::new(ip, 0)),
+            None => sa,
+        };
+        at.set_port(0);
+        listen(at)
+            .and_then(|l| Ok((l.local_addr()?.port(), l)))
+            .map(|(p, l)| (l, p))
+            .map_err(|e| log::warn!("rank 0 has no control port: {e}"))
+            .ok()
+    } else {
+        None
+    };
     let secret = cfg.secret.as_ref().map(|s| s.bytes());
     let ours = cfg.shared_settings();
     let mut pending: Vec<Pending> = Vec::new();
@@ -142,7 +168,10 @@ pub(super) fn coordinate(
     // Once the group cannot form, every rank still to come is told why as it arrives, so none
     // waits out its timeout; rank 0 returns when all were told or at the deadline.
     let mut adm = Admission::new(n, &cfg.job_id, secret.is_some(), &ours);
-    adm.fatal = own_error.map(|e| format!("rank 0's configuration is invalid: {e}"));
+    adm.fatal = stop.map(|s| match s {
+        Stop::Config(e) => format!("rank 0's configuration is invalid: {e}"),
+        Stop::Group(why) => why.to_string(),
+    });
     let mut told = vec![false; n];
     told[0] = true;
     loop {
@@ -170,9 +199,9 @@ pub(super) fn coordinate(
         }
         if let Some(f) = &adm.fatal {
             if told.iter().all(|&t| t) || Instant::now() >= deadline {
-                return Err(match own_error {
-                    Some(e) => Error::Config(e.to_string()),
-                    None => Error::Bootstrap(f.clone()),
+                return Err(match stop {
+                    Some(Stop::Config(e)) => Error::Config(e.to_string()),
+                    _ => Error::Bootstrap(f.clone()),
                 });
             }
         }
@@ -330,7 +359,7 @@ pub(super) fn coordinate(
     let mut full: Vec<Card> = vec![card.clone()];
     let mut addrs: Vec<String> = vec![cfg.bind_addr.clone().unwrap_or_else(|| sa.ip().to_string())];
     let mut socks: Vec<(TcpStream, [u8; KEY])> = Vec::with_capacity(n - 1);
-    let mut ports = vec![0u16];
+    let mut ports = vec![control.as_ref().map_or(0, |(_, p)| *p)];
     for j in joined.into_iter().skip(1) {
         let j = j.expect("every rank joined");
         full.push(j.hello.card);
@@ -353,6 +382,7 @@ pub(super) fn coordinate(
                 Ok((
                     addrs[q].as_bytes(),
                     full[q].for_rank(r).ok_or_else(|| no_entry(q, r))?,
+                    ports[q],
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -452,11 +482,21 @@ pub(super) fn coordinate(
         "rendezvous of {n} ranks: {table_bytes} bytes of routes and tables sent in {:.1} ms",
         tables_from.elapsed().as_secs_f64() * 1e3
     );
+    let mut side = SideChannel::new(0, streams, addrs.clone(), cfg.timeout);
+    if let Some((listener, _)) = control {
+        side.keep_control(Control {
+            rank: 0,
+            listener,
+            addrs: addrs.clone(),
+            ports,
+            session,
+        });
+    }
     Ok(Rendezvous {
         cards,
-        addrs: addrs.clone(),
+        addrs,
         session,
-        side: SideChannel::new(0, streams, addrs, cfg.timeout),
+        side,
     })
 }
 

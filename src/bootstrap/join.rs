@@ -2,9 +2,9 @@
 //! (with a secret) check its proof before sending the card, and take the table.
 
 use super::auth::{digest, mac, mac_ok, random, KEY};
-use super::fanout::{self, children_of, parent_of, Route};
+use super::fanout::{self, children_of, Route};
 use super::hello::{encode_card, encode_hello, Card};
-use super::outcome::{resolve, Rendezvous};
+use super::outcome::{resolve, Control, Rendezvous};
 use super::table;
 use super::wire::*;
 use super::SideChannel;
@@ -78,10 +78,11 @@ pub(super) fn join(
     };
     let nonce = random::<KEY>();
     let secret = cfg.secret.as_ref().map(|s| s.bytes());
-    // A rank below rank 0's first FANOUT takes its table from another rank, on this listener;
-    // one that cannot open it tells the group so in its HELLO.
+    // A rank below rank 0's first FANOUT takes its table from another rank on this listener,
+    // and every rank keeps it as its control port (`Control`); one that cannot open it tells
+    // the group so in its HELLO.
     let mut own_error = own_error.map(str::to_string);
-    let listener = if own_error.is_none() && parent_of(cfg.rank) != 0 {
+    let listener = if own_error.is_none() {
         match fanout::listen_beside(&s, bind) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -221,12 +222,16 @@ pub(super) fn join(
             }
         }
     };
-    drop(listener);
     if table.len() != route.len || digest(&table) != route.digest {
         return Err(forged());
     }
     let table = &table[..];
-    let (session, addrs, cards) = table::decode(table, cfg.world_size)?;
+    let table::Decoded {
+        session,
+        addrs,
+        cards,
+        ports,
+    } = table::decode(table, cfg.world_size)?;
     let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     s.set_write_timeout(None)?;
     streams[0] = Some(s);
@@ -238,8 +243,17 @@ pub(super) fn join(
         cards,
         addrs: addrs.clone(),
         session,
-        side: SideChannel::new(cfg.rank, streams, addrs, cfg.timeout),
+        side: SideChannel::new(cfg.rank, streams, addrs.clone(), cfg.timeout),
     };
+    if let Some(listener) = listener {
+        rv.side.keep_control(Control {
+            rank: cfg.rank,
+            listener,
+            addrs,
+            ports,
+            session,
+        });
+    }
     if !kids.is_empty() {
         if crate::diag::test_fault("exit-before-passing-table") {
             std::process::exit(3);

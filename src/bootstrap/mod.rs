@@ -5,7 +5,9 @@
 //! `table.rs`, its tree in `fanout.rs`); its wire
 //! (length-prefixed frames over TCP, `wire.rs`); the side channel those connections become, kept
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
-//! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`). It reads the configuration and nothing above it.
+//! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`); after a failure,
+//! the survivors' agreement over every rank's control port (`shrink.rs`). It reads the
+//! configuration and nothing above it.
 
 mod admission;
 mod auth;
@@ -14,15 +16,19 @@ pub mod discover;
 mod fanout;
 mod hello;
 mod join;
+pub(crate) mod lobby;
 mod outcome;
 pub mod pmix;
 mod relay;
 pub mod rendezvous;
+pub(crate) mod shrink;
 mod side_channel;
 mod stalls;
 mod table;
 mod wire;
 
+pub(crate) use coordinate::Stop;
+pub(crate) use outcome::Control;
 pub use side_channel::{Probe, SideChannel};
 pub use stalls::{STALL_VERDICT, STALL_WINDOW};
 pub(crate) use wire::*;

@@ -4,7 +4,7 @@
 use super::auth::KEY;
 use super::SideChannel;
 use crate::error::{Error, Result};
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 
 /// What the rendezvous returns: every rank's card as seen by this rank, its host address, the
 /// session key and the side channel.
@@ -17,6 +17,21 @@ pub struct Rendezvous {
     pub session: [u8; KEY],
     /// The connections, kept open.
     pub side: SideChannel,
+}
+
+/// What a rank keeps of the rendezvous to reach the others without the data path or rank 0 (a
+/// shrink after a failure): its own open listener and every rank's control port.
+pub struct Control {
+    /// This rank.
+    pub rank: usize,
+    /// Its control port, open for the communicator's life (connections wait in its backlog).
+    pub listener: TcpListener,
+    /// Every rank's host address, by rank.
+    pub addrs: Vec<String>,
+    /// Every rank's control port, by rank (0: it has none).
+    pub ports: Vec<u16>,
+    /// The group's session key, which control messages prove.
+    pub session: [u8; KEY],
 }
 
 /// The coordinator's socket address (IPv6 literals in brackets).

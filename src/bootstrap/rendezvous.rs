@@ -19,7 +19,7 @@
 //! fooled by a fake coordinator nor by a stranger at its table listener.
 
 pub use super::auth::{mac, mac_ok, random, KEY};
-use super::coordinate::coordinate;
+use super::coordinate::{coordinate, Stop};
 pub use super::hello::Card;
 use super::join::join;
 pub use super::outcome::Rendezvous;
@@ -45,7 +45,17 @@ pub fn rendezvous_on(
     card: &Card,
     listener: Option<TcpListener>,
 ) -> Result<Rendezvous> {
-    let deadline = Instant::now() + cfg.timeout;
+    rendezvous_by(cfg, card, listener, Instant::now() + cfg.timeout, None)
+}
+
+/// [`rendezvous_on`] by `deadline`; rank 0 refusing the group where `stop` says why.
+pub(crate) fn rendezvous_by(
+    cfg: &Config,
+    card: &Card,
+    listener: Option<TcpListener>,
+    deadline: Instant,
+    stop: Option<Stop>,
+) -> Result<Rendezvous> {
     if !proven(cfg) {
         static SAID: std::sync::Once = std::sync::Once::new();
         SAID.call_once(|| {
@@ -59,7 +69,7 @@ pub fn rendezvous_on(
         });
     }
     if cfg.rank == 0 {
-        coordinate(cfg, card, deadline, listener, None)
+        coordinate(cfg, card, deadline, listener, stop)
     } else {
         join(cfg, card, deadline, None)
     }
@@ -82,7 +92,8 @@ pub fn refuse(cfg: &Config, why: &str) {
         return;
     };
     let _ = if cfg.rank == 0 {
-        coordinate(&meet.cfg, &card, deadline, meet.listener.take(), Some(why)).map(|_| ())
+        let stop = Some(Stop::Config(why));
+        coordinate(&meet.cfg, &card, deadline, meet.listener.take(), stop).map(|_| ())
     } else {
         join(&meet.cfg, &card, deadline, Some(why)).map(|_| ())
     };

@@ -58,6 +58,8 @@ pub struct SideChannel {
     leaving: Vec<Option<Instant>>,
     /// Probes addressed to this rank, not yet read.
     probes: Vec<Probe>,
+    /// What the rendezvous left to reach the group without this channel, until taken.
+    control: Option<super::outcome::Control>,
 }
 
 impl SideChannel {
@@ -508,7 +510,18 @@ impl SideChannel {
             waiting: None,
             leaving: vec![None; n],
             probes: Vec::new(),
+            control: None,
         }
+    }
+
+    /// Keeps `c` until the communicator takes it ([`SideChannel::take_control`]).
+    pub(crate) fn keep_control(&mut self, c: super::outcome::Control) {
+        self.control = Some(c);
+    }
+
+    /// The control port and the group's ports, once.
+    pub(crate) fn take_control(&mut self) -> Option<super::outcome::Control> {
+        self.control.take()
     }
 
     /// Tells rank `p.from` (through rank 0) that this rank waits on it (`p`, with `from` the

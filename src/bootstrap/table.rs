@@ -62,27 +62,34 @@ fn get_front(r: &mut Reader, prev: &[u8]) -> Result<Vec<u8>> {
     Ok(v)
 }
 
-/// The table of `session` and every rank's (address, card), in rank order.
+/// The table of `session` and every rank's (address, card, control port), in rank order.
 pub(super) fn encode<'a>(
     session: &[u8; KEY],
-    rows: impl Iterator<Item = (&'a [u8], Vec<u8>)>,
+    rows: impl Iterator<Item = (&'a [u8], Vec<u8>, u16)>,
 ) -> Vec<u8> {
     let mut out = session.to_vec();
     let (mut prev_addr, mut prev_card): (&[u8], Vec<u8>) = (&[], Vec::new());
-    for (addr, card) in rows {
+    for (addr, card, port) in rows {
         put_front(&mut out, prev_addr, addr);
         put_front(&mut out, &prev_card, &card);
+        put_varint(&mut out, port as usize);
         prev_addr = addr;
         prev_card = card;
     }
     out
 }
 
-/// A table read: the session key, every rank's address, every rank's card.
-pub(super) type Decoded = ([u8; KEY], Vec<String>, Vec<Vec<u8>>);
+/// A table read: the session key, and every rank's address, card and control port.
+#[derive(Debug)]
+pub(super) struct Decoded {
+    pub session: [u8; KEY],
+    pub addrs: Vec<String>,
+    pub cards: Vec<Vec<u8>>,
+    pub ports: Vec<u16>,
+}
 
-/// What a table holds: the session key, then every rank's address and card (`n` of them);
-/// an error for anything else, never a panic.
+/// What a table holds: the session key, then every rank's address, card and control port (`n`
+/// of them); an error for anything else, never a panic.
 pub(super) fn decode(table: &[u8], n: usize) -> Result<Decoded> {
     let mut r = Reader(table);
     let session: [u8; KEY] = r
@@ -91,6 +98,7 @@ pub(super) fn decode(table: &[u8], n: usize) -> Result<Decoded> {
         .try_into()
         .expect("KEY bytes");
     let (mut addrs, mut cards) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut ports = Vec::with_capacity(n);
     let (mut addr, mut card) = (Vec::new(), Vec::new());
     // Front coding lets a few bytes stand for a whole card: what they stand for is bounded as a
     // table sent whole was (a coordinator cannot make a rank allocate without end).
@@ -98,17 +106,25 @@ pub(super) fn decode(table: &[u8], n: usize) -> Result<Decoded> {
     for _ in 0..n {
         addr = get_front(&mut r, &addr)?;
         card = get_front(&mut r, &card)?;
+        let port =
+            u16::try_from(get_varint(&mut r)?).map_err(|_| malformed("a port past 65535"))?;
         total = total.saturating_add(addr.len() + card.len());
         if total > MAX_FRAME {
             return Err(malformed("entries past a frame's 64 MiB"));
         }
         addrs.push(String::from_utf8_lossy(&addr).into_owned());
         cards.push(card.clone());
+        ports.push(port);
     }
     if !r.0.is_empty() {
         return Err(malformed("bytes past the last rank"));
     }
-    Ok((session, addrs, cards))
+    Ok(Decoded {
+        session,
+        addrs,
+        cards,
+        ports,
+    })
 }
 
 /// One frame being written: its head, a body (the table, or a route) and a tail (a tag, or
@@ -242,8 +258,9 @@ mod tests {
     fn table_of(addrs: &[Vec<u8>], cards: &[Vec<u8>]) -> Vec<u8> {
         let rows = addrs
             .iter()
-            .map(|a| a.as_slice())
-            .zip(cards.iter().cloned());
+            .zip(cards.iter().cloned())
+            .enumerate()
+            .map(|(q, (a, c))| (a.as_slice(), c, 40000 + q as u16));
         encode(&[5; KEY], rows)
     }
 
@@ -251,9 +268,15 @@ mod tests {
     fn a_table_reads_back_in_a_few_bytes_a_rank() {
         let (addrs, cards) = rows(256);
         let t = table_of(&addrs, &cards);
-        let (session, a, c) = decode(&t, 256).unwrap();
+        let Decoded {
+            session,
+            addrs: a,
+            cards: c,
+            ports,
+        } = decode(&t, 256).unwrap();
         assert_eq!(session, [5; KEY]);
         assert_eq!(c, cards);
+        assert_eq!(ports, (0..256).map(|q| 40000 + q).collect::<Vec<u16>>());
         let want: Vec<String> = addrs
             .iter()
             .map(|a| String::from_utf8(a.clone()).unwrap())
@@ -265,7 +288,7 @@ mod tests {
             .map(|(a, c)| a.len() + c.len() + 8)
             .sum();
         assert!(
-            t.len() < KEY + 12 * 256,
+            t.len() < KEY + 15 * 256,
             "{} bytes (whole entries: {whole})",
             t.len()
         );
@@ -293,6 +316,7 @@ mod tests {
         put_front(&mut bomb, &[], b"a");
         put_front(&mut bomb, &[], &vec![7u8; 1 << 20]);
         for _ in 0..100 {
+            put_varint(&mut bomb, 0);
             put_front(&mut bomb, b"a", b"a");
             put_varint(&mut bomb, 1 << 20);
             put_varint(&mut bomb, 0);

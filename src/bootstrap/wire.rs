@@ -42,8 +42,9 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// every rank, its MAC over its digest, and cards without per-rank entries (RDMA's queue pairs
 /// are set up over the data connection); 8: the table fans out along a tree (`fanout.rs`): each
 /// rank's ROUTE from rank 0, a listener's port in the HELLO; 9: descriptors carry the calling
-/// communicator's number (shared views), their byte count in 48 bits.
-pub(crate) const VERSION: u16 = 9;
+/// communicator's number (shared views), their byte count in 48 bits; 10: every rank's control
+/// port in the table (a shrink's messages).
+pub(crate) const VERSION: u16 = 10;
 // Every frame kind of the bootstrap's connection, rendezvous and side channel alike (one
 // connection becomes the other): each number once (`every_kind_is_its_own`).
 pub(crate) const HELLO: u8 = 1;

@@ -1,7 +1,9 @@
 //! [`Comm`]: the byte-level [`Communicator`] over a transport (RDMA, or TCP where there is none).
 
+mod grow;
 mod ops;
 pub(crate) mod request;
+mod shrink;
 mod split;
 mod summary;
 mod view;
@@ -21,6 +23,7 @@ use crate::error::{Error, Peer, Result};
 use crate::transport::op::{self, OpDesc, OpKind, Partners};
 use crate::transport::watch::AbortRequest;
 use crate::transport::{self, Link, Transport};
+pub use shrink::Agreed;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -105,6 +108,8 @@ pub struct Comm {
     /// The transport in words (kept: reading it from the link would wait for an operation, or,
     /// under caller progress, for the caller's next call on one).
     described: Option<String>,
+    /// Whether it was made by [`Comm::rejoin`].
+    rejoined: bool,
     cfg: Config,
 }
 
@@ -133,6 +138,12 @@ pub(crate) struct Core {
     owner: AtomicU64,
     /// The highest shared view number this link has carried.
     views: view::Views,
+    /// What this rank needs to reach the others after a failure ([`Comm::shrink`]).
+    control: Mutex<Option<crate::bootstrap::Control>>,
+    /// Which generation of its group this link is: 0 for the world, one more for each shrink.
+    epoch: u32,
+    /// The control ports of the generations before it, answering their late askers.
+    answerers: Mutex<Vec<crate::bootstrap::shrink::Answerer>>,
 }
 
 impl Comm {
@@ -174,6 +185,7 @@ impl Comm {
             .or(link.as_ref().map(|l| l.props().peers_max))
             .unwrap_or(usize::MAX);
         let described = link.as_ref().map(|l| l.describe());
+        let control = link.as_mut().and_then(|l| l.watch_mut().take_control());
         if let (Some(l), Some(d)) = (link.as_ref(), described.as_ref()) {
             summarise(&cfg, l.local_rank(), d, algo, peers_max, l.holds());
         }
@@ -206,19 +218,26 @@ impl Comm {
                 gate: Default::default(),
                 owner: AtomicU64::new(this_thread()),
                 views: Default::default(),
+                control: Mutex::new(control),
+                epoch: 0,
+                answerers: Default::default(),
             }),
             view: None,
             algo: Mutex::new(algo),
+            rejoined: false,
             cfg,
         }
     }
 
     /// Joins the group described by the environment (see [`Config::from_env`]). A rank whose
     /// settings are invalid still tells the group (through the rendezvous), so every rank fails
-    /// at once with an error naming that rank and variable.
+    /// at once with an error naming that rank and variable. A replacement started by an
+    /// elastic launcher (`RDMACOMM_REPLACEMENT=1`) joins the running group instead
+    /// ([`Comm::rejoin`]; see [`Comm::rejoined`]).
     pub fn from_env() -> Result<Self> {
         let (rank, size, coordinator) = Config::identity_from_env()?;
         match Config::new(rank, size, coordinator.clone()) {
+            Ok(cfg) if cfg.replacement => Comm::rejoin(&cfg),
             Ok(cfg) => Comm::new(&cfg),
             Err(e) => {
                 if size > 1 && rank < size {

@@ -76,22 +76,7 @@ impl Comm {
             .expect("a member of its own group");
         let grouped = members.len() > 1;
         // The subgroup's first rank listens for its side channel; everyone learns the address.
-        let my_ip = match &self.cfg.bind_addr {
-            Some(ip) => ip.clone(),
-            None => {
-                let a = self
-                    .lock()
-                    .link
-                    .as_ref()
-                    .map(|l| l.peer(self.link_rank(r)).addr)
-                    .unwrap_or_default();
-                if a.is_empty() {
-                    "127.0.0.1".into()
-                } else {
-                    a
-                }
-            }
-        };
+        let my_ip = self.my_ip();
         let mut listener = None;
         let mut field = [0u8; 64];
         if grouped && sub_rank == 0 {
@@ -170,7 +155,7 @@ impl Comm {
     /// How many of `members` (ranks of this communicator) share this rank's host, where the
     /// link knows: every one over shared memory alone, else as its hosts say; `None` where it
     /// cannot tell (a subgroup then finds out at its own rendezvous).
-    fn members_here(&self, members: &[usize]) -> Option<usize> {
+    pub(super) fn members_here(&self, members: &[usize]) -> Option<usize> {
         let g = self.lock();
         let props = g.link.as_ref()?.props();
         if props.shares_memory {

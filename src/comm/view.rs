@@ -200,6 +200,7 @@ impl Comm {
             medium: Some(medium),
             peers_max: self.peers_max,
             described: self.described.clone(),
+            rejoined: self.rejoined,
             cfg,
         })
     }

@@ -151,6 +151,14 @@ pub struct Config {
     pub debug: Option<crate::diag::Level>,
     /// Where the minimal writer writes (`RDMACOMM_DEBUG_FILE`; unset: stderr).
     pub debug_file: Option<String>,
+    /// Where the group's rank 0 writes the address newcomers join at when it grows, and where a
+    /// newcomer reads it (`RDMACOMM_COORDINATOR_FILE`, on a filesystem both see; unset: the
+    /// world's coordinator address).
+    pub coordinator_file: Option<String>,
+    /// This process replaces a lost rank of a running group (`RDMACOMM_REPLACEMENT=1`, set by an
+    /// elastic launcher): [`crate::Comm::from_env`] joins that group as a newcomer
+    /// ([`crate::Comm::rejoin`]).
+    pub replacement: bool,
 }
 
 pub(crate) fn env(name: &str) -> Option<String> {
@@ -252,6 +260,8 @@ impl Config {
             discovery: Discovery::Given,
             debug: None,
             debug_file: None,
+            coordinator_file: None,
+            replacement: false,
         }
         .discovered()
     }

@@ -29,7 +29,7 @@ const fn set(name: &'static str, apply: fn(&mut Config, &str) -> Result<()>) -> 
 
 /// Every setting; applied in this order (`RDMACOMM_SLOTS` before `RDMACOMM_SLOT_BYTES`, whose
 /// default follows it).
-pub(crate) const SETTINGS: [Setting; 33] = [
+pub(crate) const SETTINGS: [Setting; 35] = [
     set("RDMACOMM_JOB_ID", |c, _| {
         c.job_id = job_id_from_env();
         Ok(())
@@ -45,6 +45,18 @@ pub(crate) const SETTINGS: [Setting; 33] = [
     elsewhere("RDMACOMM_RANK"),
     elsewhere("RDMACOMM_WORLD_SIZE"),
     elsewhere("RDMACOMM_COORDINATOR"),
+    set("RDMACOMM_COORDINATOR_FILE", |c, v| {
+        c.coordinator_file = Some(v.to_string());
+        Ok(())
+    }),
+    set("RDMACOMM_REPLACEMENT", |c, v| {
+        c.replacement = match v.trim() {
+            "1" => true,
+            "0" => false,
+            _ => return Err(bad("RDMACOMM_REPLACEMENT", v, "use 1 or 0")),
+        };
+        Ok(())
+    }),
     set("RDMACOMM_BIND_ADDR", |c, v| {
         c.bind_addr = Some(v.to_string());
         Ok(())

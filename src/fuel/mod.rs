@@ -153,6 +153,35 @@ impl Transport {
         self.serial.comm()
     }
 
+    /// After a rank was lost: the survivors agree and go on over a new transport
+    /// ([`Comm::shrink`]), on which the program rebuilds its parallel layers; the agreement
+    /// carries the least and the AND of the `value`s. This transport (and its clones) refuse
+    /// every call afterwards.
+    pub fn shrink(&self, value: u64) -> fuel::Result<(Transport, crate::Agreed)> {
+        let (c, agreed) = self
+            .serial
+            .run("shrink", |c, _| c.shrink(value))
+            .map_err(|e| self.error("shrink", e))?;
+        Ok((Transport::new(c), agreed))
+    }
+
+    /// Admits `k` newcomers (each started with [`Transport::rejoin`]) at a step boundary and
+    /// goes on over a new transport with them ([`Comm::grow`]).
+    pub fn grow(&self, k: usize) -> fuel::Result<Transport> {
+        self.serial
+            .run("grow", |c, _| c.grow(k))
+            .map(Transport::new)
+            .map_err(|e| self.error("grow", e))
+    }
+
+    /// Joins a running job as a newcomer ([`Comm::rejoin_from_env`]), admitted when its
+    /// members call [`Transport::grow`].
+    pub fn rejoin() -> fuel::Result<Transport> {
+        Comm::rejoin_from_env()
+            .map(Transport::new)
+            .map_err(|e| fuel::Error::msg(format!("rdmacomm: {e}")))
+    }
+
     fn error(&self, what: &str, e: crate::Error) -> fuel::Error {
         fuel::Error::msg(format!("rdmacomm {what}: rank {}: {e}", self.rank))
     }

@@ -108,6 +108,29 @@ impl Transport {
     pub fn health(&self) -> Result<()> {
         self.comm().health().map_err(|e| self.error(e))
     }
+
+    /// After a rank was lost: the survivors agree and go on over a new transport
+    /// ([`Comm::shrink`]), which the program installs as its group
+    /// (`nd::set_default_group(Group::new(Arc::new(t)))`); the agreement carries the least and
+    /// the AND of the `value`s. This transport refuses every call afterwards.
+    pub fn shrink(&self, value: u64) -> Result<(Transport, crate::Agreed)> {
+        let (c, agreed) = self.run("shrink", |c, _| c.shrink(value))?;
+        Ok((Transport::new(c), agreed))
+    }
+
+    /// Admits `k` newcomers (each started with [`Transport::rejoin`]) at a step boundary and
+    /// goes on over a new transport with them ([`Comm::grow`]).
+    pub fn grow(&self, k: usize) -> Result<Transport> {
+        self.run("grow", |c, _| c.grow(k)).map(Transport::new)
+    }
+
+    /// Joins a running job as a newcomer ([`Comm::rejoin_from_env`]), admitted when its
+    /// members call [`Transport::grow`].
+    pub fn rejoin() -> Result<Transport> {
+        Comm::rejoin_from_env()
+            .map(Transport::new)
+            .map_err(|e| Error::Backend(format!("distributed: {e}")))
+    }
 }
 
 impl nd::Communicator for Transport {

@@ -453,6 +453,19 @@ impl Watch {
         self.side.bye();
     }
 
+    /// What the rendezvous left to reach the group again without the data path, once.
+    pub fn take_control(&mut self) -> Option<crate::bootstrap::Control> {
+        self.side.take_control()
+    }
+
+    /// Ends this link here alone, telling nobody (its group moved on to a shrunk one): its
+    /// teardown then waits at no barrier.
+    pub fn retire(&mut self, why: String) {
+        if self.failed.is_none() {
+            self.failed = Some((self.rank, why));
+        }
+    }
+
     /// Whether nothing has failed and the thread is not unwinding (then sends are flushed).
     pub fn healthy(&self) -> bool {
         self.failed.is_none() && !std::thread::panicking()

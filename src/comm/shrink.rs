@@ -1,0 +1,197 @@
+//! `shrink`: after a failure (or to drop ranks that do not answer), the ranks still alive agree
+//! over their control ports on who goes on and on a value (`bootstrap/shrink.rs`), and meet
+//! again as a new communicator at their coordinator; the old one ends here alone, with no
+//! collective teardown.
+
+use super::*;
+use crate::bootstrap::shrink::{agree, Answerer, Decision};
+
+/// What the ranks that go on after a [`Comm::shrink`] agreed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Agreed {
+    /// The old rank of each rank of the new communicator, by new rank.
+    pub members: Vec<usize>,
+    /// The least of the values the members brought (say, the last step each completed).
+    pub least: u64,
+    /// The bitwise AND of the values the members brought (MPI ULFM's agree).
+    pub all: u64,
+}
+
+/// How many times the survivors meet again after their new group failed to form (a member
+/// lost between the agreement and its rendezvous).
+const MEETINGS: usize = 3;
+
+impl Comm {
+    /// Ends this communicator and gives the ranks still alive a new one over themselves,
+    /// renumbered in their old order, with every one agreeing on its members, and on the least
+    /// and the AND of the `value`s they bring. Called by every surviving rank, after an
+    /// operation failed because ranks were lost, or at any time to drop ranks that do not
+    /// answer. No rank needs to know who was lost: a rank that does not call it within the
+    /// timeout (`RDMACOMM_TIMEOUT`) is left out, as is one lost during the call; the lowest rank
+    /// alive coordinates where rank 0 was lost. Bounded: an error names whom it waited on.
+    /// Afterwards this communicator refuses every operation; drop it (its teardown waits on
+    /// nobody).
+    pub fn shrink(&self, value: u64) -> Result<(Comm, Agreed)> {
+        if self.view.is_some() {
+            return Err(Error::InvalidArgument(
+                "shrink: a shared view shrinks with the communicator it was split from: shrink \
+                 that one, then split_shared again"
+                    .into(),
+            ));
+        }
+        self.check_thread(&"shrink")?;
+        self.wait_started_ones();
+        if self.size == 1 {
+            let alone = Comm::with_link_of(self.cfg.clone(), None, self.algorithm());
+            return Ok((
+                alone,
+                Agreed {
+                    members: vec![0],
+                    least: value,
+                    all: value,
+                },
+            ));
+        }
+        let control = self.core.control.lock().unwrap_or_else(|e| e.into_inner());
+        let ctl = control.as_ref().ok_or_else(|| {
+            Error::Bootstrap(format!(
+                "rank {}: this communicator has no control port to shrink through (it was \
+                 shrunk already, or its rendezvous gave it none)",
+                self.rank
+            ))
+        })?;
+        let suspects = self.suspects();
+        let t = self.cfg.timeout;
+        // Each coordinator lost costs three timeouts at most; two are allowed for.
+        let deadline = Instant::now() + 7 * t;
+        let mut meetings = 0;
+        let shrunk = loop {
+            let d = agree(ctl, self.core.epoch, &suspects, value, t, deadline)?;
+            self.retire_for(&format!(
+                "its shrunk successor of {} rank(s)",
+                d.members.len()
+            ));
+            meetings += 1;
+            match self.meet_again(d) {
+                Ok(s) => break s,
+                Err(e) if meetings < MEETINGS && Instant::now() < deadline => {
+                    log::warn!(
+                        "rank {}: the shrunk group did not form ({e}); agreeing again",
+                        self.rank
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        // This rank's old port goes on answering, so a rank left out learns it was.
+        let mut control = control;
+        if let Some(ctl) = control.take() {
+            let a = Answerer::start(ctl, self.core.epoch, shrunk.1.members.clone());
+            shrunk
+                .0
+                .core
+                .answerers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(a);
+        }
+        Ok(shrunk)
+    }
+
+    /// Which generation of its group this communicator is: 0 for one made by
+    /// [`Comm::new`] (and its splits), one more for each [`Comm::shrink`].
+    pub fn epoch(&self) -> u32 {
+        self.core.epoch
+    }
+
+    /// The ranks this one's first failure names as lost.
+    fn suspects(&self) -> Vec<usize> {
+        match &*self.core.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(Poison(Error::PeerFailed { peer, .. } | Error::Timeout { peer, .. }))
+                if peer.rank != self.rank =>
+            {
+                vec![peer.rank]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Ends this communicator on this rank alone, for `successor` (in words): later calls are
+    /// refused, and its link is failed so that its teardown waits at no barrier.
+    pub(super) fn retire_for(&self, successor: &str) {
+        let why = format!(
+            "rank {} left this communicator (epoch {}) for {successor}",
+            self.rank, self.core.epoch
+        );
+        self.poison_with(why.clone());
+        if let Some(l) = self.lock().link.as_mut() {
+            l.watch_mut().retire(why);
+        }
+    }
+
+    /// The communicator that follows this one, over `link`, as generation `epoch`: it keeps the
+    /// world's coordinator address (where newcomers look) and the answerers of the generations
+    /// before.
+    pub(super) fn successor(
+        &self,
+        mut cfg: Config,
+        link: Option<Box<dyn Transport>>,
+        epoch: u32,
+    ) -> Comm {
+        cfg.coordinator = self.cfg.coordinator.clone();
+        let mut c = Comm::with_link_of(cfg, link, self.algorithm());
+        let core = Arc::get_mut(&mut c.core).expect("a new communicator's core is its own");
+        core.epoch = epoch;
+        *core.answerers.get_mut().unwrap_or_else(|e| e.into_inner()) = std::mem::take(
+            &mut *self
+                .core
+                .answerers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        c
+    }
+
+    /// The new group the survivors agreed on, met at its coordinator.
+    fn meet_again(&self, d: Decision) -> Result<(Comm, Agreed)> {
+        let Decision {
+            members,
+            meet,
+            least,
+            all,
+            mut listener,
+        } = d;
+        let rank = members
+            .iter()
+            .position(|&q| q == self.rank)
+            .expect("a decision names its members");
+        let mut cfg = self.cfg.clone();
+        cfg.rank = rank;
+        cfg.world_size = members.len();
+        cfg.coordinator = meet;
+        cfg.local_world = self.members_here(&members);
+        let link = if members.len() > 1 {
+            let meet_cfg = cfg.clone();
+            Some(transport::connect_with(&cfg, cfg.transport, &mut |card| {
+                crate::bootstrap::rendezvous::rendezvous_on(&meet_cfg, card, listener.take())
+            })?)
+        } else {
+            None
+        };
+        let comm = self.successor(cfg, link, self.core.epoch + 1);
+        log::info!(
+            "rank {} goes on as rank {rank} of {} (epoch {}), with ranks {members:?}",
+            self.rank,
+            members.len(),
+            comm.core.epoch
+        );
+        Ok((
+            comm,
+            Agreed {
+                members,
+                least,
+                all,
+            },
+        ))
+    }
+}

@@ -1,0 +1,502 @@
+//! Survive a lost rank: ranks killed (SIGKILL) or stopped (SIGSTOP) inside an all_reduce, a
+//! broadcast and a sendrecv; the survivors shrink, agree on the last step every one completed,
+//! and their new communicator's results match a scalar re-computation over the members. Each
+//! rank prints what it saw; the parent checks every survivor against the others.
+
+mod common;
+use common::*;
+use rdmacomm::{AllReduce, Comm, Communicator, DType};
+use std::time::{Duration, Instant};
+
+/// RDMACOMM_TIMEOUT for these tests: a silent rank costs this, a dead one nothing.
+const TIMEOUT_S: &str = "3";
+/// Elements of each step's all_reduce (big enough that a kill lands inside it).
+const ELEMS: usize = 1 << 18;
+
+/// The value rank `r` brings to step `s` at element `i` (exact in f64 sums).
+fn val(r: usize, s: u64, i: usize) -> f64 {
+    ((r * 7 + s as usize * 3 + i % 97) % 1024) as f64
+}
+
+/// One step of the kind named by `SHRINK_OP`, on `c`, checked: rank `old[q]` of the world is
+/// rank q of `c`.
+fn step(c: &Comm, op: &str, s: u64, old: &[usize]) -> rdmacomm::Result<()> {
+    let (r, n) = (c.rank(), c.size());
+    match op {
+        "broadcast" => {
+            let mut b: Vec<u8> = (0..ELEMS * 4)
+                .map(|i| if r == 0 { (i as u64 * 31 + s) as u8 } else { 0 })
+                .collect();
+            c.broadcast(0, &mut b)?;
+            for (i, x) in b.iter().enumerate() {
+                assert_eq!(*x, (i as u64 * 31 + s) as u8, "broadcast byte {i}");
+            }
+        }
+        "sendrecv" => {
+            let mine: Vec<u8> = (0..ELEMS * 4)
+                .map(|i| (i + old[r] + s as usize) as u8)
+                .collect();
+            let mut got = vec![0u8; mine.len()];
+            let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+            c.sendrecv(to, &mine, from, &mut got)?;
+            for (i, x) in got.iter().enumerate() {
+                assert_eq!(
+                    *x,
+                    (i + old[from] + s as usize) as u8,
+                    "from rank {from}, byte {i}"
+                );
+            }
+        }
+        _ => {
+            let mut v: Vec<u8> = (0..ELEMS)
+                .flat_map(|i| val(old[r], s, i).to_le_bytes())
+                .collect();
+            c.all_reduce(AllReduce::Sum, DType::f64, &mut v)?;
+            for (i, x) in v.chunks_exact(8).enumerate() {
+                let want: f64 = old.iter().map(|&q| val(q, s, i)).sum();
+                assert_eq!(
+                    f64::from_le_bytes(x.try_into().unwrap()),
+                    want,
+                    "element {i}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn var(k: &str) -> String {
+    std::env::var(k).unwrap_or_default()
+}
+
+fn ranks_in(k: &str) -> Vec<usize> {
+    var(k)
+        .split(',')
+        .filter(|x| !x.is_empty())
+        .map(|x| x.parse().unwrap())
+        .collect()
+}
+
+/// Rank 0's step and world ids, as every rank takes them after a grow.
+fn share_state(c: &Comm, s: u64, old: &[usize]) -> (u64, Vec<usize>) {
+    let mut b = [0u64; 32];
+    b[0] = s;
+    b[1] = old.len() as u64;
+    for (i, &q) in old.iter().enumerate() {
+        b[2 + i] = q as u64;
+    }
+    let mut bytes: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
+    c.broadcast(0, &mut bytes).unwrap();
+    let w: Vec<u64> = bytes
+        .chunks_exact(8)
+        .map(|x| u64::from_le_bytes(x.try_into().unwrap()))
+        .collect();
+    let len = w[1] as usize;
+    (w[0], w[2..2 + len].iter().map(|&q| q as usize).collect())
+}
+
+/// This rank ends itself in the middle of its next operation: SIGKILL, or SIGSTOP with a
+/// helper that wakes it `wake` later; `replace`: SIGKILL, after starting its replacement
+/// (which shares this rank's output).
+fn strike(how: &str, wake: u64) {
+    let pid = std::process::id();
+    if how == "replace" {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(std::env::args().skip(1))
+            .env("ELASTIC_NEWCOMER", "1")
+            .env("RDMACOMM_TIMEOUT", "20")
+            .spawn()
+            .map(std::mem::forget) // it outlives this process, which is about to be killed
+            .unwrap();
+    }
+    if how == "stop" {
+        std::process::Command::new("sh")
+            .args(["-c", &format!("sleep {wake}; kill -CONT {pid}")])
+            .spawn()
+            .map(std::mem::forget) // it wakes this process, stopped meanwhile
+            .unwrap();
+    }
+    let sig = if how == "stop" {
+        libc::SIGSTOP
+    } else {
+        libc::SIGKILL
+    };
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(2));
+        // SAFETY: kill(2) on this process; no memory is involved.
+        unsafe { libc::kill(pid as i32, sig) };
+    });
+}
+
+fn shrink_body() {
+    let (r, n) = rank_size();
+    let op = var("SHRINK_OP");
+    let victims = ranks_in("SHRINK_VICTIMS");
+    let later = ranks_in("SHRINK_LATER");
+    let how = var("SHRINK_HOW");
+    let grow = var("ELASTIC_GROW") == "1";
+    let newcomer = var("ELASTIC_NEWCOMER") == "1";
+    let mut old: Vec<usize> = (0..n).collect();
+    let mut last_done = 0u64;
+    let mut s = 1u64;
+    let mut round = 0;
+    let mut struck = newcomer;
+    let mut grown = newcomer;
+    let mut c = if newcomer {
+        let t0 = Instant::now();
+        let c = Comm::rejoin_from_env().unwrap();
+        (s, old) = share_state(&c, s, &old);
+        println!(
+            "REJOINED as rank {} of {} (epoch {}) at step {s} in {:.3}s",
+            c.rank(),
+            c.size(),
+            c.epoch(),
+            t0.elapsed().as_secs_f64()
+        );
+        c
+    } else {
+        Comm::from_env().unwrap()
+    };
+    while s <= 8 {
+        if grow && round > 0 && !grown && s >= 5 {
+            // A step boundary after the shrink: the replacement is admitted and told the step
+            // and who is who (it brings the id 100 + its rank).
+            let t0 = Instant::now();
+            let next = c.grow(1).unwrap();
+            drop(c);
+            c = next;
+            old.push(100 + old.len());
+            (s, old) = share_state(&c, s, &old);
+            grown = true;
+            println!(
+                "GREW to {} (epoch {}) in {:.3}s",
+                c.size(),
+                c.epoch(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        // The victims strike in step 3; the later ones in step 6, after the first shrink.
+        if (s == 3 && victims.contains(&r) || s == 6 && later.contains(&r)) && !struck {
+            struck = true;
+            strike(&how, 4);
+        }
+        match step(&c, &op, s, &old) {
+            Ok(()) => {
+                last_done = s;
+                s += 1;
+            }
+            Err(e) => {
+                let t0 = Instant::now();
+                println!("FAILED step {s}: {e}");
+                let (next, agreed) = match c.shrink(last_done) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        println!("SHRINK REFUSED: {e}");
+                        std::process::exit(4);
+                    }
+                };
+                round += 1;
+                // The old communicator refuses work (its first error says why).
+                assert!(c
+                    .all_reduce(AllReduce::Sum, DType::f64, &mut [0u8; 8])
+                    .is_err());
+                let dropped = Instant::now();
+                drop(c);
+                let drop_s = dropped.elapsed().as_secs_f64();
+                old = agreed.members.iter().map(|&q| old[q]).collect();
+                c = next;
+                println!(
+                    "SHRUNK round {round} epoch {} members {:?} least {} all {} mine {last_done} \
+                     in {:.3}s (old one dropped in {drop_s:.3}s)",
+                    c.epoch(),
+                    old,
+                    agreed.least,
+                    agreed.all,
+                    t0.elapsed().as_secs_f64()
+                );
+                assert_eq!(c.size(), old.len());
+                // Redo from the step every member completed.
+                s = agreed.least + 1;
+                let t1 = Instant::now();
+                step(&c, &op, s, &old).unwrap();
+                println!(
+                    "FIRST STEP after the shrink in {:.3}s ({:.3}s from the failure)",
+                    t1.elapsed().as_secs_f64(),
+                    t0.elapsed().as_secs_f64()
+                );
+                last_done = s;
+                s += 1;
+            }
+        }
+    }
+    println!("DONE world {:?}", old);
+    if how == "stop" {
+        // Alive while the stopped rank wakes (the helper wakes it 4 s after it stopped).
+        std::thread::sleep(Duration::from_secs(4));
+    }
+}
+
+struct Case {
+    op: &'static str,
+    /// Whether the survivors grow by one after the shrink (the victim's replacement).
+    grow: bool,
+    /// Whether newcomers find rank 0 through a coordinator file.
+    file: bool,
+    n: usize,
+    victims: &'static str,
+    later: &'static str,
+    how: &'static str,
+    fault: Option<(usize, &'static str)>,
+}
+
+/// Runs `k`; checks every survivor went on with the same members (all but the victims), agreed
+/// on one least step no later than its own, and finished; returns the outputs by rank.
+fn run(name: &str, k: Case) -> Vec<RankResult> {
+    let lost: Vec<usize> = ranks_in_text(k.victims)
+        .into_iter()
+        .chain(ranks_in_text(k.later))
+        .chain(k.fault.map(|(r, _)| r))
+        .collect();
+    let r = spawn(
+        name,
+        k.n,
+        Placement::Local,
+        &|r| {
+            let mut v = vec![
+                ("RDMACOMM_TIMEOUT".to_string(), TIMEOUT_S.to_string()),
+                ("SHRINK_OP".into(), k.op.into()),
+                ("SHRINK_VICTIMS".into(), k.victims.into()),
+                ("SHRINK_LATER".into(), k.later.into()),
+                ("SHRINK_HOW".into(), k.how.into()),
+            ];
+            if k.grow {
+                v.push(("ELASTIC_GROW".into(), "1".into()));
+            }
+            if k.file {
+                let f =
+                    std::env::temp_dir().join(format!("rdmacomm-{name}-{}", std::process::id()));
+                v.push(("RDMACOMM_COORDINATOR_FILE".into(), f.display().to_string()));
+            }
+            if let Some((f, what)) = k.fault {
+                if f == r {
+                    v.push(("RDMACOMM_TEST_FAULT".into(), what.into()));
+                }
+            }
+            v
+        },
+        Duration::from_secs(60),
+    );
+    let survivors: Vec<usize> = (0..k.n).filter(|q| !lost.contains(q)).collect();
+    let mut world = survivors.clone();
+    if k.grow {
+        world.push(100 + survivors.len());
+        // The replacement shares the victim's output.
+        let x = &r[lost[0]];
+        assert!(
+            x.output.contains(&format!("DONE world {world:?}")),
+            "the replacement: {}",
+            x.output
+        );
+    }
+    let mut agreed: Option<String> = None;
+    for x in &r {
+        for l in x.output.lines().filter(|l| {
+            [
+                "FAILED",
+                "SHRUNK",
+                "FIRST",
+                "SHRINK REFUSED",
+                "DONE",
+                "GREW",
+                "REJOINED",
+            ]
+            .iter()
+            .any(|t| l.starts_with(t))
+        }) {
+            println!("rank {}: {l}", x.rank);
+        }
+        if !survivors.contains(&x.rank) {
+            continue;
+        }
+        assert_eq!(x.code, Some(0), "rank {}: {}", x.rank, x.output);
+        assert!(
+            x.output.contains(&format!("DONE world {world:?}")),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+        // Every survivor agreed on the same least step (and AND), no later than its own.
+        let lines = tagged(&x.output, "SHRUNK");
+        assert!(!lines.is_empty(), "rank {}: {}", x.rank, x.output);
+        let l = lines[lines.len() - 1];
+        let field = |k: &str| -> u64 {
+            let at = l.find(&format!(" {k} ")).unwrap() + k.len() + 2;
+            l[at..].split(' ').next().unwrap().parse().unwrap()
+        };
+        assert!(field("least") <= field("mine"), "rank {}: {l}", x.rank);
+        let key = l[..l.find(" mine ").unwrap()].to_string();
+        match &agreed {
+            None => agreed = Some(key),
+            Some(a) => assert_eq!(a, &key, "rank {} disagrees", x.rank),
+        }
+    }
+    r
+}
+
+fn ranks_in_text(t: &str) -> Vec<usize> {
+    t.split(',')
+        .filter(|x| !x.is_empty())
+        .map(|x| x.parse().unwrap())
+        .collect()
+}
+
+macro_rules! case {
+    ($name:ident, $k:expr) => {
+        #[test]
+        fn $name() {
+            const NAME: &str = stringify!($name);
+            if !parent_ready(NAME, shrink_body) {
+                return;
+            }
+            run(NAME, $k);
+        }
+    };
+}
+
+case!(
+    a_middle_rank_killed_in_an_all_reduce_is_shrunk_away,
+    Case {
+        op: "all_reduce",
+        n: 4,
+        victims: "2",
+        later: "",
+        how: "kill",
+        fault: None,
+        grow: false,
+        file: false,
+    }
+);
+case!(
+    rank_0_killed_in_a_broadcast_is_shrunk_away,
+    Case {
+        op: "broadcast",
+        n: 4,
+        victims: "0",
+        later: "",
+        how: "kill",
+        fault: None,
+        grow: false,
+        file: false,
+    }
+);
+case!(
+    the_last_rank_killed_in_a_sendrecv_is_shrunk_away,
+    Case {
+        op: "sendrecv",
+        n: 4,
+        victims: "3",
+        later: "",
+        how: "kill",
+        fault: None,
+        grow: false,
+        file: false,
+    }
+);
+case!(
+    two_ranks_killed_at_once_are_shrunk_away,
+    Case {
+        op: "all_reduce",
+        n: 5,
+        victims: "1,3",
+        later: "",
+        how: "kill",
+        fault: None,
+        grow: false,
+        file: false,
+    }
+);
+case!(
+    a_rank_lost_inside_the_shrink_is_dropped_too,
+    Case {
+        op: "all_reduce",
+        n: 5,
+        victims: "2",
+        later: "",
+        how: "kill",
+        fault: Some((4, "exit-in-shrink")),
+        grow: false,
+        file: false,
+    }
+);
+case!(
+    a_group_shrinks_twice,
+    Case {
+        op: "all_reduce",
+        n: 5,
+        victims: "1",
+        later: "4",
+        how: "kill",
+        fault: None,
+        grow: false,
+        file: false,
+    }
+);
+
+#[test]
+fn a_stopped_rank_is_left_out_and_refused_when_it_wakes() {
+    const NAME: &str = "a_stopped_rank_is_left_out_and_refused_when_it_wakes";
+    if !parent_ready(NAME, shrink_body) {
+        return;
+    }
+    let r = run(
+        NAME,
+        Case {
+            op: "all_reduce",
+            n: 4,
+            victims: "2",
+            later: "",
+            how: "stop",
+            fault: None,
+            grow: false,
+            file: false,
+        },
+    );
+    // Woken after the others shrank: its operation fails and its shrink is refused, named.
+    let x = &r[2];
+    assert_eq!(x.code, Some(4), "{}", x.output);
+    assert!(x.output.contains("SHRINK REFUSED"), "{}", x.output);
+}
+
+case!(
+    a_replacement_for_a_middle_rank_rejoins,
+    Case {
+        op: "all_reduce",
+        n: 4,
+        victims: "2",
+        later: "",
+        how: "replace",
+        fault: None,
+        grow: true,
+        file: false,
+    }
+);
+case!(
+    a_replacement_for_rank_0_rejoins_through_the_coordinator_file,
+    Case {
+        op: "all_reduce",
+        n: 4,
+        victims: "0",
+        later: "",
+        how: "replace",
+        fault: None,
+        grow: true,
+        file: true,
+    }
+);
+
+matrix_shm!(
+    a_middle_rank_killed_in_an_all_reduce_is_shrunk_away,
+    rank_0_killed_in_a_broadcast_is_shrunk_away,
+    the_last_rank_killed_in_a_sendrecv_is_shrunk_away,
+    two_ranks_killed_at_once_are_shrunk_away,
+);
