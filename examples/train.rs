@@ -18,6 +18,8 @@
 //! broadcast. It prints the time from the fault to the first completed step after it, and
 //! checks that the final weights are bit-identical on every rank (and how far they are from a
 //! run that never failed: the sums' order differs while three ranks share the samples).
+//! `train --elastic --relaunch DIR` does what a job does without shrink, for comparison: it
+//! checkpoints to DIR every 8 steps, ends at the fault, and resumes when started again.
 
 use rdmacomm::{AllReduce, Comm, Communicator, DType};
 use std::time::Instant;
@@ -135,6 +137,15 @@ fn train(c: &Comm, overlap: bool) -> rdmacomm::Result<(Vec<f32>, f64)> {
 /// The step inside which rank 2 is lost, and the one before which its replacement joins.
 const FAULT_STEP: usize = 20;
 const GROW_STEP: usize = 30;
+/// How often a job that relaunches on failure checkpoints.
+const CHECKPOINT_EVERY: usize = 8;
+
+/// The wall clock in milliseconds (to time a fault across processes).
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
 
 /// One step of blocking training on `c` from weights `w`: backward over this rank's shard, the
 /// buckets all-reduced, the update; the loss summed over all ranks.
@@ -171,7 +182,11 @@ fn share(c: &Comm, step: &mut usize, w: &mut [f32]) -> rdmacomm::Result<()> {
 }
 
 /// Training that loses rank 2 at [`FAULT_STEP`] and takes its replacement at [`GROW_STEP`].
-fn elastic() -> rdmacomm::Result<()> {
+///
+/// With `relaunch` (a directory), what a job does today instead: no shrink; rank 0 checkpoints
+/// every [`CHECKPOINT_EVERY`] steps there, the lost rank ends the job, and the job started again
+/// resumes from the checkpoint (the fault strikes once).
+fn elastic(relaunch: Option<std::path::PathBuf>) -> rdmacomm::Result<()> {
     let mut w = vec![0f32; LAYERS * PARAMS];
     let mut grad = vec![0f32; LAYERS * PARAMS];
     // The weights after the last step this rank completed, and after the one before.
@@ -180,6 +195,18 @@ fn elastic() -> rdmacomm::Result<()> {
     // A replacement (`RDMACOMM_REPLACEMENT=1`, set by the launcher) joins the running group.
     let mut c = Comm::from_env()?;
     let newcomer = c.rejoined();
+    let mut struck = false;
+    if let Some(dir) = &relaunch {
+        struck = dir.join("struck").exists();
+        if let Ok(b) = std::fs::read(dir.join("checkpoint")) {
+            step = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+            bytemuck::cast_slice_mut(&mut w).copy_from_slice(&b[8..]);
+            done = step;
+            if c.rank() == 0 {
+                println!("step {step:3}: resumed from the checkpoint");
+            }
+        }
+    }
     if newcomer {
         share(&c, &mut step, &mut w)?;
         println!(
@@ -192,15 +219,19 @@ fn elastic() -> rdmacomm::Result<()> {
     let mut fault: Option<Instant> = None;
     let mut grown = newcomer;
     while step < STEPS {
-        if step == FAULT_STEP && c.rank() == 2 && !grown && fault.is_none() && c.epoch() == 0 {
+        if step == FAULT_STEP && c.rank() == 2 && !grown && !struck && c.epoch() == 0 {
             // SIGKILL from inside the step; the launcher starts the replacement.
+            if let Some(dir) = &relaunch {
+                let _ = std::fs::write(dir.join("struck"), b"");
+            }
+            println!("fault: SIGKILL at {} ms", unix_ms());
             std::thread::spawn(|| {
                 std::thread::sleep(std::time::Duration::from_millis(1));
                 // SAFETY: kill(2) on this process; no memory is involved.
                 unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
             });
         }
-        if step == GROW_STEP && !grown {
+        if step == GROW_STEP && !grown && relaunch.is_none() {
             let t = Instant::now();
             let next = c.grow(1)?;
             drop(c);
@@ -220,6 +251,19 @@ fn elastic() -> rdmacomm::Result<()> {
             Ok(loss) => {
                 (done, before) = (step + 1, snapshot);
                 step += 1;
+                if step == FAULT_STEP + 1 && c.rank() == 0 && (c.epoch() > 0 || struck) {
+                    println!("back: step {step} completed again at {} ms", unix_ms());
+                }
+                if let Some(dir) = relaunch.as_ref().filter(|_| c.rank() == 0) {
+                    if step % CHECKPOINT_EVERY == 0 {
+                        let mut b = (step as u64).to_le_bytes().to_vec();
+                        b.extend_from_slice(bytemuck::cast_slice(&w));
+                        let tmp = dir.join("checkpoint.tmp");
+                        std::fs::write(&tmp, b)
+                            .and_then(|()| std::fs::rename(&tmp, dir.join("checkpoint")))
+                            .expect("writing the checkpoint");
+                    }
+                }
                 if let Some(t) = fault.take() {
                     if c.rank() == 0 {
                         println!(
@@ -231,6 +275,13 @@ fn elastic() -> rdmacomm::Result<()> {
                 if step % 10 == 0 && c.rank() == 0 {
                     println!("step {step:3} loss {loss:.6} ({} ranks)", c.size());
                 }
+            }
+            Err(e) if relaunch.is_some() => {
+                // What a job without shrink does: it ends, and its launcher starts it again.
+                if c.rank() == 0 {
+                    println!("step {step:3} failed: {e}; the job ends");
+                }
+                std::process::exit(3);
             }
             Err(e) => {
                 let t = Instant::now();
@@ -304,7 +355,13 @@ fn elastic() -> rdmacomm::Result<()> {
 
 fn main() -> rdmacomm::Result<()> {
     if std::env::args().any(|a| a == "--elastic") {
-        return elastic();
+        let args: Vec<String> = std::env::args().collect();
+        let relaunch = args
+            .iter()
+            .position(|a| a == "--relaunch")
+            .and_then(|i| args.get(i + 1))
+            .map(std::path::PathBuf::from);
+        return elastic(relaunch);
     }
     let c = Comm::from_env()?;
     let (rank, n) = (c.rank(), c.size());

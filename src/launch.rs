@@ -114,8 +114,13 @@ pub fn run_local_with(
             let Some(st) = children[r].try_wait()? else {
                 continue;
             };
-            if !st.success() && left > 0 {
+            // A replacement is for a job still running: not once every other rank is done.
+            let others_done = (0..n).all(|q| q == r || done[q] && !failed[q]);
+            if !st.success() && left > 0 && !others_done {
                 left -= 1;
+                if first.is_none() {
+                    first = Some(st.code().unwrap_or(1).max(1));
+                }
                 eprintln!("rdmacomm-run: rank {r} failed ({st}); starting its replacement");
                 match start(r, true) {
                     Ok(c) => {

@@ -467,6 +467,36 @@ fn a_stopped_rank_is_left_out_and_refused_when_it_wakes() {
     assert!(x.output.contains("SHRINK REFUSED"), "{}", x.output);
 }
 
+#[test]
+fn a_stopped_rank_0_is_left_out_not_alone_when_it_wakes() {
+    const NAME: &str = "a_stopped_rank_0_is_left_out_not_alone_when_it_wakes";
+    if !parent_ready(NAME, shrink_body) {
+        return;
+    }
+    // Rank 0 is the lowest rank: woken, it would coordinate; it must find that the others
+    // went on without it (their old ports answer), not go on as a group of one.
+    let r = run(
+        NAME,
+        Case {
+            op: "all_reduce",
+            n: 3,
+            victims: "0",
+            later: "",
+            how: "stop",
+            fault: None,
+            grow: false,
+            file: false,
+        },
+    );
+    let x = &r[0];
+    assert_eq!(x.code, Some(4), "{}", x.output);
+    assert!(
+        x.output.contains("SHRINK REFUSED") && x.output.contains("left out"),
+        "{}",
+        x.output
+    );
+}
+
 case!(
     a_replacement_for_a_middle_rank_rejoins,
     Case {

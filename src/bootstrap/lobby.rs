@@ -25,8 +25,10 @@ const KNOCK: u8 = 45;
 const WELCOME: u8 = 46;
 /// The largest KNOCK read.
 const LIMIT: usize = 4096;
-/// Connections not yet admitted, at most (past it the oldest is closed).
+/// Connections not yet admitted, at most (past it the oldest that has sent nothing is closed).
 const MAX_PENDING: usize = 64;
+/// The largest group a welcome may name (what a newcomer allocates for).
+const MAX_SIZE: usize = 1 << 20;
 
 /// Rank 0's lobby, open.
 pub(crate) struct Lobby {
@@ -62,7 +64,7 @@ impl Welcome {
         let size = r.u32().ok()? as usize;
         let epoch = r.u32().ok()?;
         let meet = String::from_utf8(r.bytes().ok()?.to_vec()).ok()?;
-        (rank < size && r.0.is_empty()).then_some(Welcome {
+        (rank < size && size <= MAX_SIZE && r.0.is_empty()).then_some(Welcome {
             rank,
             size,
             epoch,
@@ -177,7 +179,11 @@ impl Lobby {
                 )));
             }
             let mut busy = false;
-            while let Ok((s, from)) = self.listener.accept() {
+            // Bounded per round: a flood cannot keep rank 0 from its deadline.
+            for _ in 0..MAX_PENDING {
+                let Ok((s, from)) = self.listener.accept() else {
+                    break;
+                };
                 busy = true;
                 let challenge = random::<KEY>();
                 let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
@@ -187,9 +193,14 @@ impl Lobby {
                     continue;
                 }
                 if guests.len() >= MAX_PENDING {
-                    let oldest = (0..guests.len()).min_by_key(|&i| guests[i].since);
-                    if let Some(i) = oldest {
-                        guests.swap_remove(i);
+                    let oldest = (0..guests.len())
+                        .filter(|&i| guests[i].buf.is_empty())
+                        .min_by_key(|&i| guests[i].since);
+                    match oldest {
+                        Some(i) => {
+                            guests.swap_remove(i);
+                        }
+                        None => continue, // every one has begun its knock
                     }
                 }
                 log::debug!("lobby: a connection from {from}");
@@ -283,11 +294,9 @@ pub(crate) fn knock(cfg: &Config, deadline: Instant) -> Result<Welcome> {
             Ok(w) => return Ok(w),
             Err(Knock::Again(why)) => last = why,
             Err(Knock::Forged) => {
-                return Err(Error::Bootstrap(
-                    "the lobby's welcome does not prove the job's secret (a process that is not \
-                     the group's took its address?)"
-                        .into(),
-                ))
+                // A process that is not the group's answered there: never fatal, ask again.
+                log::warn!("a lobby's welcome did not prove the job's secret; asking again");
+                last = "a welcome that did not prove the job's secret".into();
             }
         }
         std::thread::sleep(Duration::from_millis(50));

@@ -26,6 +26,9 @@ const ACK: u8 = 42;
 const GO: u8 = 43;
 /// The coordinator went on without this member (body: why, in words).
 const DROPPED: u8 = 44;
+/// Did a group go on without me? (A coordinator about to decide with ranks missing asks them;
+/// a retired port answers DROPPED, anything else closes.)
+const PROBE: u8 = 45;
 /// The largest control frame read (a DECIDE of 16 384 members is 64 KiB).
 const LIMIT: usize = 1 << 20;
 /// Connections to the control port not yet known to be members, at most (past it the oldest
@@ -205,13 +208,12 @@ fn ask(
 ) -> std::result::Result<Decision, Asked> {
     let until = Instant::now() + left;
     let key = &ctl.session;
-    let silent = |why: String| Asked::Silent(why);
     let s = reach(
         &ctl.addrs[c],
         ctl.ports[c],
         until.min(Instant::now() + timeout),
     )
-    .map_err(silent)?;
+    .map_err(|e| Asked::Silent(e.to_string()))?;
     let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
     send_frame(
         &s,
@@ -263,7 +265,7 @@ fn ask(
                     .map(|b| String::from_utf8_lossy(b).into_owned())
                     .ok_or_else(|| Asked::Silent("a forged refusal".into()))?;
                 return Err(Asked::Refused(Error::Bootstrap(format!(
-                    "rank {}: the shrink coordinated by rank {c} went on without this rank: {why}",
+                    "rank {} was left out of the shrink: {why}",
                     ctl.rank
                 ))));
             }
@@ -272,14 +274,31 @@ fn ask(
     }
 }
 
+/// Why a control port could not be reached.
+enum Reach {
+    /// Nobody listens there (the connection was refused).
+    Refused,
+    /// Anything else, in words.
+    Failed(String),
+}
+
+impl std::fmt::Display for Reach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reach::Refused => f.write_str("nobody listens at its control port"),
+            Reach::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
 /// A connection to `addr`:`port` by `until` (a refusal is final: nobody listens there).
-fn reach(addr: &str, port: u16, until: Instant) -> std::result::Result<TcpStream, String> {
+fn reach(addr: &str, port: u16, until: Instant) -> std::result::Result<TcpStream, Reach> {
     if port == 0 {
-        return Err("it has no control port".into());
+        return Err(Reach::Failed("it has no control port".into()));
     }
     let ip: IpAddr = addr
         .parse()
-        .map_err(|_| format!("its address {addr:?} is not an IP address"))?;
+        .map_err(|_| Reach::Failed(format!("its address {addr:?} is not an IP address")))?;
     let at = SocketAddr::new(ip, port);
     loop {
         let left = until.saturating_duration_since(Instant::now());
@@ -292,7 +311,8 @@ fn reach(addr: &str, port: u16, until: Instant) -> std::result::Result<TcpStream
                 return Ok(s);
             }
             Err(e) if e.kind() == ErrorKind::TimedOut && !left.is_zero() => {}
-            Err(e) => return Err(format!("connecting to {at}: {e}")),
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => return Err(Reach::Refused),
+            Err(e) => return Err(Reach::Failed(format!("connecting to {at}: {e}"))),
         }
     }
 }
@@ -304,142 +324,274 @@ struct Caller {
     since: Instant,
 }
 
+/// What one read of a caller shows.
+enum Read {
+    /// Nothing whole yet: keep it.
+    Wait,
+    /// Of no use (closed, malformed, silent too long): drop it.
+    Drop,
+    /// A whole frame: its kind and body.
+    Frame(u8, Vec<u8>),
+}
+
+impl Caller {
+    fn read(&mut self) -> (Read, bool) {
+        let (got, bad) = read_some(&self.sock, &mut self.buf, LIMIT);
+        let whole = whole_frame(&self.buf, LIMIT);
+        let r = match whole {
+            Err(_) => Read::Drop,
+            Ok(true) => {
+                let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
+                Read::Frame(self.buf[4], self.buf[5..4 + len].to_vec())
+            }
+            Ok(false) if bad.is_some() || self.since.elapsed() > SILENT_FOR => Read::Drop,
+            Ok(false) => Read::Wait,
+        };
+        (r, got)
+    }
+}
+
 /// The control port as a shrink reads it: connections accepted as they come (at most
-/// [`MAX_PENDING`] waiting, each silent for [`SILENT_FOR`] at most), and each one's first frame
-/// taken if it is a SHRINK of this group and epoch; anything else is closed, never fatal.
-struct Door<'a> {
-    ctl: &'a Control,
-    epoch: u32,
+/// [`MAX_PENDING`] accepted a call and waiting; past it the oldest that has sent nothing is
+/// closed), each read once as it is accepted (a member's SHRINK comes with its connection) and
+/// its first frame taken if it is a SHRINK or a PROBE of this group and epoch; anything else
+/// is closed, never fatal.
+#[derive(Default)]
+struct Door {
     callers: Vec<Caller>,
 }
 
-impl<'a> Door<'a> {
-    fn new(ctl: &'a Control, epoch: u32) -> Result<Self> {
-        ctl.listener.set_nonblocking(true)?;
-        Ok(Door {
-            ctl,
-            epoch,
-            callers: Vec::new(),
-        })
-    }
-
-    /// The SHRINKs (with their connections, non-blocking) whole since the last call, and
-    /// whether anything came.
-    fn poll(&mut self) -> (Vec<(Ask, TcpStream)>, bool) {
-        let (n, me) = (self.ctl.ports.len(), self.ctl.rank);
+impl Door {
+    /// The asks (kind, what was asked, the connection, non-blocking) whole since the last
+    /// call on `ctl`'s port at `epoch`, and whether anything came.
+    fn poll(&mut self, ctl: &Control, epoch: u32) -> (Vec<(u8, Ask, TcpStream)>, bool) {
+        let (n, me) = (ctl.ports.len(), ctl.rank);
         let mut busy = false;
-        while let Ok((s, _)) = self.ctl.listener.accept() {
+        let mut asks = Vec::new();
+        let take = |c: Caller, kind: u8, m: &[u8], asks: &mut Vec<(u8, Ask, TcpStream)>| match [
+            SHRINK, PROBE,
+        ]
+        .contains(&kind)
+        .then(|| open(&ctl.session, kind, epoch, m))
+        .flatten()
+        .and_then(|b| decode_ask(b, n))
+        .filter(|a| a.rank != me)
+        {
+            Some(a) => asks.push((kind, a, c.sock)),
+            None => log::debug!(
+                "rank {me}: ignored a connection to its control port that is no shrink of \
+                     this group"
+            ),
+        };
+        // Bounded per call: a flood cannot keep the caller from its deadline.
+        for _ in 0..MAX_PENDING {
+            let Ok((s, _)) = ctl.listener.accept() else {
+                break;
+            };
             busy = true;
             if s.set_nonblocking(true).is_err() {
                 continue;
             }
-            if self.callers.len() >= MAX_PENDING {
-                let c = &self.callers;
-                let oldest = (0..c.len())
-                    .min_by_key(|&i| (!c[i].buf.is_empty(), c[i].since))
-                    .expect("a caller");
-                self.callers.swap_remove(oldest);
-            }
-            self.callers.push(Caller {
+            let mut c = Caller {
                 sock: s,
                 buf: Vec::new(),
                 since: Instant::now(),
-            });
+            };
+            match c.read().0 {
+                Read::Frame(kind, m) => take(c, kind, &m, &mut asks),
+                Read::Drop => {}
+                Read::Wait => {
+                    if self.callers.len() >= MAX_PENDING {
+                        let cs = &self.callers;
+                        let oldest = (0..cs.len())
+                            .filter(|&i| cs[i].buf.is_empty())
+                            .min_by_key(|&i| cs[i].since);
+                        match oldest {
+                            Some(i) => {
+                                self.callers.swap_remove(i);
+                            }
+                            None => continue, // every one has begun: the newcomer waits its turn
+                        }
+                    }
+                    self.callers.push(c);
+                }
+            }
         }
-        let mut asks = Vec::new();
         let mut i = 0;
         while i < self.callers.len() {
-            let c = &mut self.callers[i];
-            let (got, bad) = read_some(&c.sock, &mut c.buf, LIMIT);
+            let (r, got) = self.callers[i].read();
             busy |= got;
-            let whole = whole_frame(&c.buf, LIMIT);
-            if bad.is_some() && whole != Ok(true) || whole.is_err() {
-                self.callers.swap_remove(i);
-                continue;
-            }
-            if whole != Ok(true) {
-                if c.since.elapsed() > SILENT_FOR {
+            match r {
+                Read::Wait => i += 1,
+                Read::Drop => {
                     self.callers.swap_remove(i);
-                } else {
-                    i += 1;
                 }
-                continue;
-            }
-            let c = self.callers.swap_remove(i);
-            let len = u32::from_le_bytes(c.buf[..4].try_into().expect("4 bytes")) as usize;
-            let (kind, m) = (c.buf[4], &c.buf[5..4 + len]);
-            match (kind == SHRINK)
-                .then(|| open(&self.ctl.session, SHRINK, self.epoch, m))
-                .flatten()
-                .and_then(|b| decode_ask(b, n))
-                .filter(|a| a.rank != me)
-            {
-                Some(a) => asks.push((a, c.sock)),
-                None => log::debug!(
-                    "rank {me}: ignored a connection to its control port that is no shrink of \
-                     this group"
-                ),
+                Read::Frame(kind, m) => {
+                    let c = self.callers.swap_remove(i);
+                    take(c, kind, &m, &mut asks);
+                }
             }
         }
         (asks, busy)
     }
 }
 
+/// A retired control port: its group went on as `members` at the next epoch.
+struct Retired {
+    id: u64,
+    ctl: Control,
+    epoch: u32,
+    refusal: Vec<u8>,
+    door: Door,
+}
+
+/// Every retired control port of this process, served by one thread.
+static RETIRED: std::sync::Mutex<Vec<Retired>> = std::sync::Mutex::new(Vec::new());
+
 /// After a shrink, a rank's old control port answers the ranks of the old group that ask late
 /// (one stopped, or cut off, while the others went on): they were left out, so they fail,
-/// named, instead of finding every port closed and going on as a group of their own.
+/// named, instead of going on as a group of their own. One thread serves every retired port of
+/// the process; a port closes when its answerer drops.
 pub(crate) struct Answerer {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    id: u64,
 }
 
 impl Answerer {
     /// Answers on `ctl`'s port (of epoch `epoch`) until dropped: the group went on as `members`.
     pub(crate) fn start(ctl: Control, epoch: u32, members: Vec<usize>) -> Answerer {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let quit = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("rdmacomm-retired".into())
-            .spawn(move || {
-                let Ok(mut door) = Door::new(&ctl, epoch) else {
-                    return;
-                };
-                let why = format!(
-                    "rank {} and the others went on as epoch {} with ranks {members:?} without it",
-                    ctl.rank,
-                    epoch + 1
-                );
-                let refusal = seal(&ctl.session, DROPPED, epoch, why.as_bytes());
-                while !quit.load(Ordering::Relaxed) {
-                    let (asks, busy) = door.poll();
-                    for (a, sock) in asks {
-                        log::warn!(
-                            "rank {} refused rank {} of epoch {epoch}, late",
-                            ctl.rank,
-                            a.rank
-                        );
-                        let _ = sock.set_nonblocking(false);
-                        let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
-                        let _ = send_frame(&sock, DROPPED, &refusal);
-                    }
-                    if !busy {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                }
-            })
-            .ok();
-        Answerer { stop, thread }
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        static SERVE: std::sync::Once = std::sync::Once::new();
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let why = format!(
+            "the group went on as epoch {} with ranks {members:?} without it (rank {} answered)",
+            epoch + 1,
+            ctl.rank
+        );
+        let refusal = seal(&ctl.session, DROPPED, epoch, why.as_bytes());
+        if ctl.listener.set_nonblocking(true).is_ok() {
+            let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
+            all.push(Retired {
+                id,
+                ctl,
+                epoch,
+                refusal,
+                door: Door::default(),
+            });
+        }
+        SERVE.call_once(|| {
+            let _ = std::thread::Builder::new()
+                .name("rdmacomm-retired".into())
+                .spawn(serve_retired);
+        });
+        Answerer { id }
     }
 }
 
 impl Drop for Answerer {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|r| r.id != self.id);
+    }
+}
+
+/// The thread that answers at every retired port.
+fn serve_retired() {
+    loop {
+        let mut busy = false;
+        {
+            let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
+            for r in all.iter_mut() {
+                let (asks, got) = r.door.poll(&r.ctl, r.epoch);
+                busy |= got;
+                for (_, a, sock) in asks {
+                    log::warn!(
+                        "rank {} told rank {} of epoch {} that its group went on without it",
+                        r.ctl.rank,
+                        a.rank,
+                        r.epoch
+                    );
+                    let _ = sock.set_nonblocking(false);
+                    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
+                    let _ = send_frame(&sock, DROPPED, &r.refusal);
+                }
+            }
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// What it takes to ask the other ranks (a copy of a [`Control`] without its listener).
+#[derive(Clone)]
+struct Roster {
+    rank: usize,
+    addrs: Vec<String>,
+    ports: Vec<u16>,
+    session: [u8; KEY],
+}
+
+impl Roster {
+    fn of(ctl: &Control) -> Roster {
+        Roster {
+            rank: ctl.rank,
+            addrs: ctl.addrs.clone(),
+            ports: ctl.ports.clone(),
+            session: ctl.session,
+        }
+    }
+}
+
+/// What asking other ranks' control ports showed.
+#[derive(Default)]
+struct Survey {
+    /// Why a group of this epoch went on without this rank, if one did (a retired port said).
+    left_out: Option<String>,
+    /// Ranks whose port refused the connection: nobody listens there any more.
+    gone: Vec<usize>,
+}
+
+/// Asks every rank in `others` at once (PROBE), for about a second at most.
+fn survey(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
+    let probe = seal(&who.session, PROBE, epoch, &encode_ask(who.rank, 0, &[]));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = others
+            .iter()
+            .map(|&q| {
+                let probe = &probe;
+                s.spawn(move || -> std::result::Result<Option<String>, ()> {
+                    let until = Instant::now() + Duration::from_millis(500);
+                    let sock = match reach(&who.addrs[q], who.ports[q], until) {
+                        Ok(s) => s,
+                        Err(Reach::Refused) => return Err(()),
+                        Err(Reach::Failed(_)) => return Ok(None),
+                    };
+                    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
+                    if send_frame(&sock, PROBE, probe).is_err() {
+                        return Ok(None);
+                    }
+                    let Ok((kind, m)) =
+                        recv_frame(&sock, Instant::now() + Duration::from_millis(500))
+                    else {
+                        return Ok(None);
+                    };
+                    Ok((kind == DROPPED)
+                        .then(|| open(&who.session, DROPPED, epoch, &m))
+                        .flatten()
+                        .map(|b| String::from_utf8_lossy(b).into_owned()))
+                })
+            })
+            .collect();
+        let mut out = Survey::default();
+        for (h, &q) in hs.into_iter().zip(others) {
+            match h.join() {
+                Ok(Err(())) => out.gone.push(q),
+                Ok(Ok(Some(why))) if out.left_out.is_none() => out.left_out = Some(why),
+                _ => {}
+            }
+        }
+        out
+    })
 }
 
 /// A member heard from: its connection, its value.
@@ -473,15 +625,46 @@ fn coordinate(
         suspected[q] = true;
     }
     let mut heard: BTreeMap<usize, Member> = BTreeMap::new();
-    let mut door = Door::new(ctl, epoch)?;
-    let until = Instant::now() + timeout;
+    l.set_nonblocking(true)?;
+    let mut door = Door::default();
+    let start = Instant::now();
+    let until = start + timeout;
+    let left_out_by =
+        |why: String| Error::Bootstrap(format!("rank {me} was left out of the shrink: {why}"));
+    // The ports of ranks not heard from are asked in the background, 50 ms after the last: a
+    // refusal means nobody is there (a rank killed that nobody named), a retired port that the
+    // group went on without this rank (it was stopped, or late).
+    let mut probe: Option<std::thread::JoinHandle<Survey>> = None;
+    let mut asked = start;
     loop {
         let all_in = (0..n).all(|q| q == me || suspected[q] || heard.contains_key(&q));
         if all_in || Instant::now() >= until {
             break;
         }
-        let (asks, busy) = door.poll();
-        for (a, sock) in asks {
+        let unheard: Vec<usize> = (0..n)
+            .filter(|&q| q != me && !heard.contains_key(&q) && (heard.is_empty() || !suspected[q]))
+            .collect();
+        if probe.is_none() && asked.elapsed() >= Duration::from_millis(50) && !unheard.is_empty() {
+            let who = Roster::of(ctl);
+            probe = std::thread::Builder::new()
+                .name("rdmacomm-probe".into())
+                .spawn(move || survey(&who, epoch, &unheard))
+                .ok();
+        }
+        if let Some(h) = probe.take_if(|h| h.is_finished()) {
+            asked = Instant::now();
+            let found = h.join().unwrap_or_default();
+            if let Some(why) = found.left_out {
+                return Err(left_out_by(why));
+            }
+            for q in found.gone {
+                if !heard.contains_key(&q) {
+                    suspected[q] = true;
+                }
+            }
+        }
+        let (asks, busy) = door.poll(ctl, epoch);
+        for (_, a, sock) in asks.into_iter().filter(|(kind, ..)| *kind == SHRINK) {
             for &q in &a.suspects {
                 if q != me && !heard.contains_key(&q) {
                     suspected[q] = true;
@@ -513,6 +696,14 @@ fn coordinate(
     let silent: Vec<usize> = (0..n)
         .filter(|&q| q != me && !suspected[q] && !heard.contains_key(&q))
         .collect();
+    // Before deciding without some ranks: if they went on without this one (it was stopped,
+    // or late), it is left out, not the coordinator of a group of its own.
+    let missing: Vec<usize> = (0..n)
+        .filter(|&q| q != me && !heard.contains_key(&q))
+        .collect();
+    if let Some(why) = survey(&Roster::of(ctl), epoch, &missing).left_out {
+        return Err(left_out_by(why));
+    }
     if !silent.is_empty() {
         log::warn!(
             "rank {me}: rank(s) {silent:?} did not ask to shrink within {timeout:?}: the group \
@@ -677,6 +868,28 @@ mod tests {
             assert_eq!(d.as_ref().unwrap().members, vec![0, 1, 2], "rank {r}");
         }
         drop(strangers);
+    }
+
+    #[test]
+    fn a_flood_of_idle_strangers_evicts_no_member() {
+        // 150 silent connections wait at rank 0's port before the members ask.
+        let t = Duration::from_millis(1500);
+        let ctls = group(3);
+        let at = SocketAddr::new("127.0.0.1".parse().unwrap(), ctls[0].ports[0]);
+        let idle: Vec<TcpStream> = (0..150)
+            .filter_map(|_| TcpStream::connect(at).ok())
+            .collect();
+        let start = Instant::now();
+        let got = run(ctls, &[0, 1, 2], &[], t);
+        for (r, d) in &got {
+            assert_eq!(d.as_ref().unwrap().members, vec![0, 1, 2], "rank {r}");
+        }
+        assert!(
+            start.elapsed() < t,
+            "{:?}: a member was evicted",
+            start.elapsed()
+        );
+        drop(idle);
     }
 
     #[test]

@@ -178,7 +178,9 @@ impl Comm {
                     .map(|l| l.peer(self.link_rank(self.rank)).addr)
                     .unwrap_or_default();
                 if a.is_empty() {
-                    "127.0.0.1".into()
+                    // No link (a world of one): the address that reaches the coordinator's.
+                    crate::transport::dial::data_ip(&self.cfg)
+                        .map_or_else(|_| "127.0.0.1".into(), |ip| ip.to_string())
                 } else {
                     a
                 }

@@ -42,7 +42,8 @@ impl Comm {
         self.check_thread(&"shrink")?;
         self.wait_started_ones();
         if self.size == 1 {
-            let alone = Comm::with_link_of(self.cfg.clone(), None, self.algorithm());
+            let alone = self.successor(self.cfg.clone(), None, self.core.epoch + 1);
+            self.retire_for("its shrunk successor of 1 rank");
             return Ok((
                 alone,
                 Agreed {
