@@ -192,6 +192,7 @@ fn elastic(relaunch: Option<std::path::PathBuf>) -> rdmacomm::Result<()> {
     // The weights after the last step this rank completed, and after the one before.
     let (mut done, mut before) = (0usize, w.clone());
     let mut step = 0;
+    let started = Instant::now();
     // A replacement (`RDMACOMM_REPLACEMENT=1`, set by the launcher) joins the running group.
     let mut c = Comm::from_env()?;
     let newcomer = c.rejoined();
@@ -210,9 +211,11 @@ fn elastic(relaunch: Option<std::path::PathBuf>) -> rdmacomm::Result<()> {
     if newcomer {
         share(&c, &mut step, &mut w)?;
         println!(
-            "[newcomer] joined as rank {} of {} at step {step}, weights received",
+            "[newcomer] joined as rank {} of {} at step {step}, weights received, {:.1} ms \
+             after it started",
             c.rank(),
-            c.size()
+            c.size(),
+            started.elapsed().as_secs_f64() * 1e3
         );
         done = step;
     }

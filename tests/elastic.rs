@@ -289,7 +289,10 @@ fn run(name: &str, k: Case) -> Vec<RankResult> {
     let survivors: Vec<usize> = (0..k.n).filter(|q| !lost.contains(q)).collect();
     let mut world = survivors.clone();
     if k.grow {
-        world.push(100 + survivors.len());
+        // The newcomer's id counts the members it joined (the later victims among them).
+        let later = ranks_in_text(k.later);
+        world.push(100 + survivors.len() + later.len());
+        world.retain(|q| !later.contains(q));
         // The replacement shares the victim's output.
         let x = &r[lost[0]];
         assert!(
@@ -524,9 +527,90 @@ case!(
     }
 );
 
+case!(
+    a_group_shrinks_grows_and_shrinks_again,
+    Case {
+        op: "all_reduce",
+        n: 4,
+        victims: "2",
+        later: "1",
+        how: "replace",
+        fault: None,
+        grow: true,
+        file: false,
+    }
+);
+
+/// Rank 3 of 4 dies: the subgroup it was in ({1, 3}, from `split_comm`) shrinks to rank 1
+/// alone, the other ({0, 2}) goes on untouched, and the world shrinks to ranks 0-2.
+fn subgroup_body() {
+    let (r, _) = rank_size();
+    let world = Comm::from_env().unwrap();
+    let sub = world.split_comm((r % 2) as i32, r as i32).unwrap();
+    let sum = |c: &Comm, x: f64| -> rdmacomm::Result<f64> {
+        let mut v = x.to_le_bytes();
+        c.all_reduce(AllReduce::Sum, DType::f64, &mut v)?;
+        Ok(f64::from_le_bytes(v))
+    };
+    assert_eq!(
+        sum(&sub, r as f64).unwrap(),
+        if r % 2 == 0 { 2.0 } else { 4.0 }
+    );
+    if r == 3 {
+        // SAFETY: kill(2) on this process; no memory is involved.
+        unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+    }
+    // The odd subgroup's op fails on rank 1; the even one's succeeds.
+    let sub = match sum(&sub, 10.0 + r as f64) {
+        Ok(x) => {
+            assert_eq!(x, 22.0, "the even subgroup: ranks 0 and 2");
+            sub
+        }
+        Err(e) => {
+            println!("SUBGROUP FAILED: {e}");
+            let (s, a) = sub.shrink(0).unwrap();
+            assert_eq!(a.members, vec![0], "rank 1 alone of the odd subgroup");
+            assert_eq!(sum(&s, 5.0).unwrap(), 5.0);
+            s
+        }
+    };
+    let world = match sum(&world, 1.0) {
+        Ok(_) => panic!("the world lost rank 3"),
+        Err(_) => world.shrink(0).unwrap().0,
+    };
+    assert_eq!(sum(&world, r as f64).unwrap(), 3.0, "ranks 0, 1, 2");
+    println!("DONE sub {} world {}", sub.size(), world.size());
+}
+
+#[test]
+fn a_subgroup_that_lost_a_member_shrinks_too() {
+    const NAME: &str = "a_subgroup_that_lost_a_member_shrinks_too";
+    if !parent_ready(NAME, subgroup_body) {
+        return;
+    }
+    let r = spawn(
+        NAME,
+        4,
+        Placement::Local,
+        &|_| vec![("RDMACOMM_TIMEOUT".to_string(), TIMEOUT_S.to_string())],
+        Duration::from_secs(60),
+    );
+    for x in r.iter().filter(|x| x.rank != 3) {
+        assert_eq!(x.code, Some(0), "rank {}: {}", x.rank, x.output);
+        let sub = if x.rank == 1 { 1 } else { 2 };
+        assert!(
+            x.output.contains(&format!("DONE sub {sub} world 3")),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+}
+
 matrix_shm!(
     a_middle_rank_killed_in_an_all_reduce_is_shrunk_away,
     rank_0_killed_in_a_broadcast_is_shrunk_away,
     the_last_rank_killed_in_a_sendrecv_is_shrunk_away,
     two_ranks_killed_at_once_are_shrunk_away,
+    a_subgroup_that_lost_a_member_shrinks_too,
 );
