@@ -107,16 +107,20 @@ pub fn run_local_with(
     let mut failed = vec![false; n];
     let mut left = restarts;
     while done.iter().any(|d| !d) {
-        for r in 0..n {
-            if done[r] {
-                continue;
+        // Every exit seen first, then judged: whether the others are done does not depend on
+        // the order they are looked at in.
+        let mut ended = Vec::new();
+        for (r, c) in children.iter_mut().enumerate().filter(|(r, _)| !done[*r]) {
+            if let Some(st) = c.try_wait()? {
+                ended.push((r, st));
             }
-            let Some(st) = children[r].try_wait()? else {
-                continue;
-            };
-            // A replacement is for a job still running: not once every other rank is done.
-            let others_done = (0..n).all(|q| q == r || done[q] && !failed[q]);
-            if !st.success() && left > 0 && !others_done {
+        }
+        let running = |done: &[bool], r: usize| {
+            (0..n).any(|q| q != r && !done[q] && !ended.iter().any(|(e, _)| *e == q))
+        };
+        for &(r, st) in &ended {
+            // A replacement is for a job still running: not once every other rank ended.
+            if !st.success() && left > 0 && running(&done, r) {
                 left -= 1;
                 if first.is_none() {
                     first = Some(st.code().unwrap_or(1).max(1));

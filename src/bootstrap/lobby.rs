@@ -28,7 +28,7 @@ const LIMIT: usize = 4096;
 /// Connections not yet admitted, at most (past it the oldest that has sent nothing is closed).
 const MAX_PENDING: usize = 64;
 /// The largest group a welcome may name (what a newcomer allocates for).
-const MAX_SIZE: usize = 1 << 20;
+pub(crate) const MAX_SIZE: usize = 1 << 20;
 
 /// Rank 0's lobby, open.
 pub(crate) struct Lobby {
@@ -181,6 +181,19 @@ impl Lobby {
             let mut busy = false;
             // Bounded per round: a flood cannot keep rank 0 from its deadline.
             for _ in 0..MAX_PENDING {
+                if guests.len() >= MAX_PENDING {
+                    // Full: close the oldest that has sent nothing, else leave the next in the
+                    // kernel's backlog.
+                    match (0..guests.len())
+                        .filter(|&i| guests[i].buf.is_empty())
+                        .min_by_key(|&i| guests[i].since)
+                    {
+                        Some(i) => {
+                            guests.swap_remove(i);
+                        }
+                        None => break,
+                    }
+                }
                 let Ok((s, from)) = self.listener.accept() else {
                     break;
                 };
@@ -191,17 +204,6 @@ impl Lobby {
                     || s.set_nonblocking(true).is_err()
                 {
                     continue;
-                }
-                if guests.len() >= MAX_PENDING {
-                    let oldest = (0..guests.len())
-                        .filter(|&i| guests[i].buf.is_empty())
-                        .min_by_key(|&i| guests[i].since);
-                    match oldest {
-                        Some(i) => {
-                            guests.swap_remove(i);
-                        }
-                        None => continue, // every one has begun its knock
-                    }
                 }
                 log::debug!("lobby: a connection from {from}");
                 guests.push(Guest {
@@ -222,7 +224,7 @@ impl Lobby {
                     continue;
                 }
                 if whole != Ok(true) {
-                    if g.since.elapsed() > Duration::from_secs(5) {
+                    if g.since.elapsed() > Duration::from_secs(2) {
                         guests.swap_remove(i);
                     } else {
                         i += 1;

@@ -6,11 +6,14 @@
 //! (length-prefixed frames over TCP, `wire.rs`); the side channel those connections become, kept
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
 //! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`); after a failure,
-//! the survivors' agreement over every rank's control port (`shrink.rs`). It reads the
+//! the survivors' agreement over every rank's control port (`shrink.rs`, the port itself in
+//! `control.rs`, the answers of retired ones in `retired.rs`), and where newcomers join a
+//! growing group (`lobby.rs`). It reads the
 //! configuration and nothing above it.
 
 mod admission;
 mod auth;
+mod control;
 mod coordinate;
 pub mod discover;
 mod fanout;
@@ -21,6 +24,7 @@ mod outcome;
 pub mod pmix;
 mod relay;
 pub mod rendezvous;
+pub(crate) mod retired;
 pub(crate) mod shrink;
 mod side_channel;
 mod stalls;

@@ -10,31 +10,14 @@
 //! suspects it and asks the next. Every message carries a MAC under the group's session key and
 //! its epoch: a stranger or a rank of another generation learns nothing and ends nothing.
 
-use super::auth::{mac, mac_ok, KEY};
+use super::control::*;
 use super::outcome::Control;
-use super::wire::{listen, put_bytes, read_some, recv_frame, send_frame, whole_frame, Reader};
+use super::wire::{listen, put_bytes, recv_frame, send_frame, Reader};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-
-// Frame kinds of a control connection (its own connection: they may repeat the rendezvous').
-const SHRINK: u8 = 40;
-const DECIDE: u8 = 41;
-const ACK: u8 = 42;
-const GO: u8 = 43;
-/// The coordinator went on without this member (body: why, in words).
-const DROPPED: u8 = 44;
-/// Did a group go on without me? (A coordinator about to decide with ranks missing asks them;
-/// a retired port answers DROPPED, anything else closes.)
-const PROBE: u8 = 45;
-/// The largest control frame read (a DECIDE of 16 384 members is 64 KiB).
-const LIMIT: usize = 1 << 20;
-/// Connections to the control port not yet known to be members, at most (past it the oldest
-/// that has sent nothing is closed), and how long one may stay silent.
-const MAX_PENDING: usize = 64;
-const SILENT_FOR: Duration = Duration::from_secs(5);
 
 /// What the survivors agreed.
 #[derive(Debug)]
@@ -48,69 +31,6 @@ pub(crate) struct Decision {
     pub all: u64,
     /// The coordinator's listener for the new group's rendezvous (on the coordinator alone).
     pub listener: Option<TcpListener>,
-}
-
-/// A message of kind `kind` and `body` at epoch `epoch`, sealed with the session key.
-fn seal(key: &[u8; KEY], kind: u8, epoch: u32, body: &[u8]) -> Vec<u8> {
-    let e = epoch.to_le_bytes();
-    let mut v = e.to_vec();
-    v.extend_from_slice(body);
-    v.extend_from_slice(&mac(key, &[b"rdmacomm shrink", &[kind], &e, body]));
-    v
-}
-
-/// The body of a sealed message of kind `kind` at `epoch`: `None` for a forged one, or one of
-/// another epoch.
-fn open<'a>(key: &[u8; KEY], kind: u8, epoch: u32, m: &'a [u8]) -> Option<&'a [u8]> {
-    if m.len() < 4 + KEY || m[..4] != epoch.to_le_bytes() {
-        return None;
-    }
-    let (body, tag) = m[4..].split_at(m.len() - 4 - KEY);
-    mac_ok(key, &[b"rdmacomm shrink", &[kind], &m[..4], body], tag).then_some(body)
-}
-
-fn put_ranks(v: &mut Vec<u8>, ranks: &[usize]) {
-    v.extend_from_slice(&(ranks.len() as u32).to_le_bytes());
-    for &r in ranks {
-        v.extend_from_slice(&(r as u32).to_le_bytes());
-    }
-}
-
-/// Ranks as [`put_ranks`] wrote them, each below `n`; `None` otherwise.
-fn get_ranks(r: &mut Reader, n: usize) -> Option<Vec<usize>> {
-    let k = r.u32().ok()? as usize;
-    if k > n {
-        return None;
-    }
-    (0..k)
-        .map(|_| r.u32().ok().map(|q| q as usize).filter(|&q| q < n))
-        .collect()
-}
-
-/// A SHRINK as read.
-struct Ask {
-    rank: usize,
-    value: u64,
-    suspects: Vec<usize>,
-}
-
-fn encode_ask(rank: usize, value: u64, suspects: &[usize]) -> Vec<u8> {
-    let mut v = (rank as u32).to_le_bytes().to_vec();
-    v.extend_from_slice(&value.to_le_bytes());
-    put_ranks(&mut v, suspects);
-    v
-}
-
-fn decode_ask(b: &[u8], n: usize) -> Option<Ask> {
-    let mut r = Reader(b);
-    let rank = r.u32().ok()? as usize;
-    let value = r.u64().ok()?;
-    let suspects = get_ranks(&mut r, n)?;
-    (rank < n && r.0.is_empty()).then_some(Ask {
-        rank,
-        value,
-        suspects,
-    })
 }
 
 fn encode_decide(round: u32, d: &Decision) -> Vec<u8> {
@@ -274,326 +194,6 @@ fn ask(
     }
 }
 
-/// Why a control port could not be reached.
-enum Reach {
-    /// Nobody listens there (the connection was refused).
-    Refused,
-    /// Anything else, in words.
-    Failed(String),
-}
-
-impl std::fmt::Display for Reach {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Reach::Refused => f.write_str("nobody listens at its control port"),
-            Reach::Failed(why) => f.write_str(why),
-        }
-    }
-}
-
-/// A connection to `addr`:`port` by `until` (a refusal is final: nobody listens there).
-fn reach(addr: &str, port: u16, until: Instant) -> std::result::Result<TcpStream, Reach> {
-    if port == 0 {
-        return Err(Reach::Failed("it has no control port".into()));
-    }
-    let ip: IpAddr = addr
-        .parse()
-        .map_err(|_| Reach::Failed(format!("its address {addr:?} is not an IP address")))?;
-    let at = SocketAddr::new(ip, port);
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        let limit = left
-            .min(Duration::from_secs(1))
-            .max(Duration::from_millis(1));
-        match TcpStream::connect_timeout(&at, limit) {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Err(e) if e.kind() == ErrorKind::TimedOut && !left.is_zero() => {}
-            Err(e) if e.kind() == ErrorKind::ConnectionRefused => return Err(Reach::Refused),
-            Err(e) => return Err(Reach::Failed(format!("connecting to {at}: {e}"))),
-        }
-    }
-}
-
-/// A connection to the control port, and its bytes so far.
-struct Caller {
-    sock: TcpStream,
-    buf: Vec<u8>,
-    since: Instant,
-}
-
-/// What one read of a caller shows.
-enum Read {
-    /// Nothing whole yet: keep it.
-    Wait,
-    /// Of no use (closed, malformed, silent too long): drop it.
-    Drop,
-    /// A whole frame: its kind and body.
-    Frame(u8, Vec<u8>),
-}
-
-impl Caller {
-    fn read(&mut self) -> (Read, bool) {
-        let (got, bad) = read_some(&self.sock, &mut self.buf, LIMIT);
-        let whole = whole_frame(&self.buf, LIMIT);
-        let r = match whole {
-            Err(_) => Read::Drop,
-            Ok(true) => {
-                let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
-                Read::Frame(self.buf[4], self.buf[5..4 + len].to_vec())
-            }
-            Ok(false) if bad.is_some() || self.since.elapsed() > SILENT_FOR => Read::Drop,
-            Ok(false) => Read::Wait,
-        };
-        (r, got)
-    }
-}
-
-/// The control port as a shrink reads it: connections accepted as they come (at most
-/// [`MAX_PENDING`] accepted a call and waiting; past it the oldest that has sent nothing is
-/// closed), each read once as it is accepted (a member's SHRINK comes with its connection) and
-/// its first frame taken if it is a SHRINK or a PROBE of this group and epoch; anything else
-/// is closed, never fatal.
-#[derive(Default)]
-struct Door {
-    callers: Vec<Caller>,
-}
-
-impl Door {
-    /// The asks (kind, what was asked, the connection, non-blocking) whole since the last
-    /// call on `ctl`'s port at `epoch`, and whether anything came.
-    fn poll(&mut self, ctl: &Control, epoch: u32) -> (Vec<(u8, Ask, TcpStream)>, bool) {
-        let (n, me) = (ctl.ports.len(), ctl.rank);
-        let mut busy = false;
-        let mut asks = Vec::new();
-        let take = |c: Caller, kind: u8, m: &[u8], asks: &mut Vec<(u8, Ask, TcpStream)>| match [
-            SHRINK, PROBE,
-        ]
-        .contains(&kind)
-        .then(|| open(&ctl.session, kind, epoch, m))
-        .flatten()
-        .and_then(|b| decode_ask(b, n))
-        .filter(|a| a.rank != me)
-        {
-            Some(a) => asks.push((kind, a, c.sock)),
-            None => log::debug!(
-                "rank {me}: ignored a connection to its control port that is no shrink of \
-                     this group"
-            ),
-        };
-        // Bounded per call: a flood cannot keep the caller from its deadline.
-        for _ in 0..MAX_PENDING {
-            let Ok((s, _)) = ctl.listener.accept() else {
-                break;
-            };
-            busy = true;
-            if s.set_nonblocking(true).is_err() {
-                continue;
-            }
-            let mut c = Caller {
-                sock: s,
-                buf: Vec::new(),
-                since: Instant::now(),
-            };
-            match c.read().0 {
-                Read::Frame(kind, m) => take(c, kind, &m, &mut asks),
-                Read::Drop => {}
-                Read::Wait => {
-                    if self.callers.len() >= MAX_PENDING {
-                        let cs = &self.callers;
-                        let oldest = (0..cs.len())
-                            .filter(|&i| cs[i].buf.is_empty())
-                            .min_by_key(|&i| cs[i].since);
-                        match oldest {
-                            Some(i) => {
-                                self.callers.swap_remove(i);
-                            }
-                            None => continue, // every one has begun: the newcomer waits its turn
-                        }
-                    }
-                    self.callers.push(c);
-                }
-            }
-        }
-        let mut i = 0;
-        while i < self.callers.len() {
-            let (r, got) = self.callers[i].read();
-            busy |= got;
-            match r {
-                Read::Wait => i += 1,
-                Read::Drop => {
-                    self.callers.swap_remove(i);
-                }
-                Read::Frame(kind, m) => {
-                    let c = self.callers.swap_remove(i);
-                    take(c, kind, &m, &mut asks);
-                }
-            }
-        }
-        (asks, busy)
-    }
-}
-
-/// A retired control port: its group went on as `members` at the next epoch.
-struct Retired {
-    id: u64,
-    ctl: Control,
-    epoch: u32,
-    refusal: Vec<u8>,
-    door: Door,
-}
-
-/// Every retired control port of this process, served by one thread.
-static RETIRED: std::sync::Mutex<Vec<Retired>> = std::sync::Mutex::new(Vec::new());
-
-/// After a shrink, a rank's old control port answers the ranks of the old group that ask late
-/// (one stopped, or cut off, while the others went on): they were left out, so they fail,
-/// named, instead of going on as a group of their own. One thread serves every retired port of
-/// the process; a port closes when its answerer drops.
-pub(crate) struct Answerer {
-    id: u64,
-}
-
-impl Answerer {
-    /// Answers on `ctl`'s port (of epoch `epoch`) until dropped: the group went on as `members`.
-    pub(crate) fn start(ctl: Control, epoch: u32, members: Vec<usize>) -> Answerer {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        static SERVE: std::sync::Once = std::sync::Once::new();
-        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let why = format!(
-            "the group went on as epoch {} with ranks {members:?} without it (rank {} answered)",
-            epoch + 1,
-            ctl.rank
-        );
-        let refusal = seal(&ctl.session, DROPPED, epoch, why.as_bytes());
-        if ctl.listener.set_nonblocking(true).is_ok() {
-            let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
-            all.push(Retired {
-                id,
-                ctl,
-                epoch,
-                refusal,
-                door: Door::default(),
-            });
-        }
-        SERVE.call_once(|| {
-            let _ = std::thread::Builder::new()
-                .name("rdmacomm-retired".into())
-                .spawn(serve_retired);
-        });
-        Answerer { id }
-    }
-}
-
-impl Drop for Answerer {
-    fn drop(&mut self) {
-        let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
-        all.retain(|r| r.id != self.id);
-    }
-}
-
-/// The thread that answers at every retired port.
-fn serve_retired() {
-    loop {
-        let mut busy = false;
-        {
-            let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
-            for r in all.iter_mut() {
-                let (asks, got) = r.door.poll(&r.ctl, r.epoch);
-                busy |= got;
-                for (_, a, sock) in asks {
-                    log::warn!(
-                        "rank {} told rank {} of epoch {} that its group went on without it",
-                        r.ctl.rank,
-                        a.rank,
-                        r.epoch
-                    );
-                    let _ = sock.set_nonblocking(false);
-                    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-                    let _ = send_frame(&sock, DROPPED, &r.refusal);
-                }
-            }
-        }
-        if !busy {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-/// What it takes to ask the other ranks (a copy of a [`Control`] without its listener).
-#[derive(Clone)]
-struct Roster {
-    rank: usize,
-    addrs: Vec<String>,
-    ports: Vec<u16>,
-    session: [u8; KEY],
-}
-
-impl Roster {
-    fn of(ctl: &Control) -> Roster {
-        Roster {
-            rank: ctl.rank,
-            addrs: ctl.addrs.clone(),
-            ports: ctl.ports.clone(),
-            session: ctl.session,
-        }
-    }
-}
-
-/// What asking other ranks' control ports showed.
-#[derive(Default)]
-struct Survey {
-    /// Why a group of this epoch went on without this rank, if one did (a retired port said).
-    left_out: Option<String>,
-    /// Ranks whose port refused the connection: nobody listens there any more.
-    gone: Vec<usize>,
-}
-
-/// Asks every rank in `others` at once (PROBE), for about a second at most.
-fn survey(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
-    let probe = seal(&who.session, PROBE, epoch, &encode_ask(who.rank, 0, &[]));
-    std::thread::scope(|s| {
-        let hs: Vec<_> = others
-            .iter()
-            .map(|&q| {
-                let probe = &probe;
-                s.spawn(move || -> std::result::Result<Option<String>, ()> {
-                    let until = Instant::now() + Duration::from_millis(500);
-                    let sock = match reach(&who.addrs[q], who.ports[q], until) {
-                        Ok(s) => s,
-                        Err(Reach::Refused) => return Err(()),
-                        Err(Reach::Failed(_)) => return Ok(None),
-                    };
-                    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-                    if send_frame(&sock, PROBE, probe).is_err() {
-                        return Ok(None);
-                    }
-                    let Ok((kind, m)) =
-                        recv_frame(&sock, Instant::now() + Duration::from_millis(500))
-                    else {
-                        return Ok(None);
-                    };
-                    Ok((kind == DROPPED)
-                        .then(|| open(&who.session, DROPPED, epoch, &m))
-                        .flatten()
-                        .map(|b| String::from_utf8_lossy(b).into_owned()))
-                })
-            })
-            .collect();
-        let mut out = Survey::default();
-        for (h, &q) in hs.into_iter().zip(others) {
-            match h.join() {
-                Ok(Err(())) => out.gone.push(q),
-                Ok(Ok(Some(why))) if out.left_out.is_none() => out.left_out = Some(why),
-                _ => {}
-            }
-        }
-        out
-    })
-}
-
 /// A member heard from: its connection, its value.
 struct Member {
     sock: TcpStream,
@@ -679,14 +279,9 @@ fn coordinate(
                 },
             );
         }
-        // A member that died while the others came in is not waited on.
-        heard.retain(|&q, m| {
-            let gone = closed(&m.sock);
-            if gone {
-                suspected[q] = true;
-            }
-            !gone
-        });
+        // A member whose connection closed is no longer heard: it died, or it gave up on this
+        // rank and asked another (it is not taken for dead: the survey tells which).
+        heard.retain(|_, m| !closed(&m.sock));
         if !busy {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -701,8 +296,22 @@ fn coordinate(
     let missing: Vec<usize> = (0..n)
         .filter(|&q| q != me && !heard.contains_key(&q))
         .collect();
-    if let Some(why) = survey(&Roster::of(ctl), epoch, &missing).left_out {
+    let found = survey(&Roster::of(ctl), epoch, &missing);
+    if let Some(why) = found.left_out {
         return Err(left_out_by(why));
+    }
+    // Alone, with ranks whose ports still listen: they may be meeting as a group that has not
+    // retired its ports yet (milliseconds). Asked once more, a second later.
+    let listening: Vec<usize> = missing
+        .iter()
+        .copied()
+        .filter(|q| !found.gone.contains(q))
+        .collect();
+    if heard.is_empty() && !listening.is_empty() {
+        std::thread::sleep(Duration::from_secs(1));
+        if let Some(why) = survey(&Roster::of(ctl), epoch, &listening).left_out {
+            return Err(left_out_by(why));
+        }
     }
     if !silent.is_empty() {
         log::warn!(
@@ -778,6 +387,7 @@ fn coordinate(
 
 #[cfg(test)]
 mod tests {
+    use super::super::auth::KEY;
     use super::*;
 
     fn group(n: usize) -> Vec<Control> {
@@ -884,8 +494,9 @@ mod tests {
         for (r, d) in &got {
             assert_eq!(d.as_ref().unwrap().members, vec![0, 1, 2], "rank {r}");
         }
+        // An evicted member would wait three timeouts for its coordinator.
         assert!(
-            start.elapsed() < t,
+            start.elapsed() < 2 * t,
             "{:?}: a member was evicted",
             start.elapsed()
         );

@@ -25,9 +25,10 @@ impl Comm {
                 "grow: a shared view grows with the communicator it was split from".into(),
             ));
         }
-        if k == 0 || k > u32::MAX as usize - self.size {
+        if k == 0 || k > crate::bootstrap::lobby::MAX_SIZE.saturating_sub(self.size) {
             return Err(Error::InvalidArgument(format!(
-                "grow({k}): a number of newcomers from 1"
+                "grow({k}): a number of newcomers from 1, to a group of at most {} ranks",
+                crate::bootstrap::lobby::MAX_SIZE
             )));
         }
         self.check_thread(&"grow")?;

@@ -4,7 +4,8 @@
 //! collective teardown.
 
 use super::*;
-use crate::bootstrap::shrink::{agree, Answerer, Decision};
+use crate::bootstrap::retired::Answerer;
+use crate::bootstrap::shrink::{agree, Decision};
 
 /// What the ranks that go on after a [`Comm::shrink`] agreed.
 #[derive(Debug, Clone, PartialEq, Eq)]
