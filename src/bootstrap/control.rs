@@ -20,6 +20,9 @@ pub(super) const DROPPED: u8 = 44;
 /// Did a group go on without me? (A coordinator about to decide with ranks missing asks them;
 /// a retired port answers DROPPED, anything else closes.)
 pub(super) const PROBE: u8 = 45;
+/// This rank follows coordinator c (body: c), or coordinates (c is itself): the answer to a
+/// SHRINK or a PROBE at a port its rank does not read meanwhile, and a coordinator's to a PROBE.
+pub(super) const FOLLOWING: u8 = 46;
 /// The largest control frame read (a DECIDE of 16 384 members is 64 KiB).
 const LIMIT: usize = 1 << 20;
 /// Connections to the control port not yet known to be members, at most (past it the oldest
@@ -280,6 +283,8 @@ impl Roster {
 /// What asking other ranks' control ports showed.
 #[derive(Default)]
 pub(super) struct Survey {
+    /// A coordinator some asked rank follows (or is), if any.
+    pub(super) following: Option<usize>,
     /// Why a group of this epoch went on without this rank, if one did (a retired port said).
     pub(super) left_out: Option<String>,
     /// Ranks whose port refused the connection: nobody listens there any more.
@@ -296,6 +301,7 @@ pub(super) fn survey(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
     for some in others.chunks(SURVEYED_AT_ONCE) {
         let part = survey_some(who, epoch, some);
         out.gone.extend(part.gone);
+        out.following = out.following.or(part.following);
         if out.left_out.is_none() {
             out.left_out = part.left_out;
         }
@@ -306,6 +312,44 @@ pub(super) fn survey(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
     out
 }
 
+/// What one rank's port answered a PROBE.
+enum Answer {
+    /// The connection was refused: nobody listens there.
+    Gone,
+    /// Its group went on without the asker: why.
+    WentOn(String),
+    /// It follows (or is) this coordinator.
+    Following(usize),
+    /// Nothing that tells (silent, closed, or not of this group).
+    Nothing,
+}
+
+fn probe_one(who: &Roster, epoch: u32, q: usize, probe: &[u8]) -> Answer {
+    let until = Instant::now() + Duration::from_millis(500);
+    let sock = match reach(&who.addrs[q], who.ports[q], until) {
+        Ok(s) => s,
+        Err(Reach::Refused) => return Answer::Gone,
+        Err(Reach::Failed(_)) => return Answer::Nothing,
+    };
+    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
+    if send_frame(&sock, PROBE, probe).is_err() {
+        return Answer::Nothing;
+    }
+    let Ok((kind, m)) = recv_frame(&sock, Instant::now() + Duration::from_millis(500)) else {
+        return Answer::Nothing;
+    };
+    match (kind, open(&who.session, kind, epoch, &m)) {
+        (DROPPED, Some(b)) => Answer::WentOn(String::from_utf8_lossy(b).into_owned()),
+        (FOLLOWING, Some(b)) => b
+            .try_into()
+            .map(|c: [u8; 4]| u32::from_le_bytes(c) as usize)
+            .ok()
+            .filter(|&c| c < who.ports.len())
+            .map_or(Answer::Nothing, Answer::Following),
+        _ => Answer::Nothing,
+    }
+}
+
 fn survey_some(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
     let probe = seal(&who.session, PROBE, epoch, &encode_ask(who.rank, 0, &[]));
     std::thread::scope(|s| {
@@ -313,39 +357,20 @@ fn survey_some(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
             .iter()
             .map(|&q| {
                 let probe = &probe;
-                std::thread::Builder::new().spawn_scoped(
-                    s,
-                    move || -> std::result::Result<Option<String>, ()> {
-                        let until = Instant::now() + Duration::from_millis(500);
-                        let sock = match reach(&who.addrs[q], who.ports[q], until) {
-                            Ok(s) => s,
-                            Err(Reach::Refused) => return Err(()),
-                            Err(Reach::Failed(_)) => return Ok(None),
-                        };
-                        let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-                        if send_frame(&sock, PROBE, probe).is_err() {
-                            return Ok(None);
-                        }
-                        let Ok((kind, m)) =
-                            recv_frame(&sock, Instant::now() + Duration::from_millis(500))
-                        else {
-                            return Ok(None);
-                        };
-                        Ok((kind == DROPPED)
-                            .then(|| open(&who.session, DROPPED, epoch, &m))
-                            .flatten()
-                            .map(|b| String::from_utf8_lossy(b).into_owned()))
-                    },
-                )
+                std::thread::Builder::new().spawn_scoped(s, move || probe_one(who, epoch, q, probe))
             })
             .collect();
         let mut out = Survey::default();
         // A thread that could not start asked nothing.
         for (h, &q) in hs.into_iter().zip(others) {
-            let Ok(h) = h else { continue };
-            match h.join() {
-                Ok(Err(())) => out.gone.push(q),
-                Ok(Ok(Some(why))) if out.left_out.is_none() => out.left_out = Some(why),
+            match h.ok().and_then(|h| h.join().ok()) {
+                Some(Answer::Gone) => out.gone.push(q),
+                Some(Answer::WentOn(why)) => {
+                    out.left_out.get_or_insert(why);
+                }
+                Some(Answer::Following(c)) => {
+                    out.following.get_or_insert(c);
+                }
                 _ => {}
             }
         }

@@ -34,6 +34,20 @@ pub struct Control {
     pub session: [u8; KEY],
 }
 
+impl Control {
+    /// A second handle on the same port (its listener's descriptor duplicated), for a thread
+    /// that answers on it while this one is kept.
+    pub fn try_clone(&self) -> std::io::Result<Control> {
+        Ok(Control {
+            rank: self.rank,
+            listener: self.listener.try_clone()?,
+            addrs: self.addrs.clone(),
+            ports: self.ports.clone(),
+            session: self.session,
+        })
+    }
+}
+
 /// The coordinator's socket address (IPv6 literals in brackets).
 pub fn resolve(addr: &str) -> Result<SocketAddr> {
     addr.to_socket_addrs()

@@ -1,60 +1,78 @@
-//! The control ports of generations that went on: each answers a rank of its old group that asks
-//! late (one stopped, or cut off, while the others shrank) that the group went on without it,
-//! so that rank fails, named, instead of going on as a group of its own. One thread serves every
-//! retired port of the process.
+//! Control ports answered by a thread while their rank does not read them: a rank asking a
+//! coordinator, or meeting with its new group, answers that it follows that coordinator (so a
+//! rank that finds nobody else joins the group forming); a port whose group went on answers a
+//! rank of its old group that asks late (one stopped, or cut off, while the others shrank) that
+//! the group went on without it, so that rank fails, named, instead of going on as a group of
+//! its own. One thread serves every such port of the process.
 
-use super::control::{seal, Door, DROPPED};
+use super::control::{seal, Door, DROPPED, FOLLOWING};
 use super::outcome::Control;
 use super::wire::send_frame;
 use std::time::Duration;
 
-/// A retired control port: its group went on as `members` at the next epoch.
+/// A served control port, and what it answers (a sealed frame of kind `kind`).
 struct Retired {
     id: u64,
     ctl: Control,
     epoch: u32,
-    refusal: Vec<u8>,
+    kind: u8,
+    reply: Vec<u8>,
     door: Door,
+}
+
+/// What a served port answers.
+pub(crate) enum Reply {
+    /// Its rank follows this coordinator (FOLLOWING).
+    Following(usize),
+    /// Its group went on (or is meeting) as these ranks, at the next epoch (DROPPED).
+    WentOn(Vec<usize>),
 }
 
 /// Every retired control port of this process, served by one thread.
 static RETIRED: std::sync::Mutex<Vec<Retired>> = std::sync::Mutex::new(Vec::new());
 
-/// After a shrink, a rank's old control port answers the ranks of the old group that ask late
-/// (one stopped, or cut off, while the others went on): they were left out, so they fail,
-/// named, instead of going on as a group of their own. One thread serves every retired port of
-/// the process; a port closes when its answerer drops.
+/// A control port answered by the process's serving thread until this is dropped (the port
+/// itself closes with the last descriptor of it).
 pub(crate) struct Answerer {
     id: u64,
 }
 
 impl Answerer {
-    /// Answers on `ctl`'s port (of epoch `epoch`) until dropped: the group went on as `members`.
-    pub(crate) fn start(ctl: Control, epoch: u32, members: Vec<usize>) -> Answerer {
+    /// Answers on `ctl`'s port (of epoch `epoch`) with `reply` until dropped.
+    pub(crate) fn start(ctl: Control, epoch: u32, reply: Reply) -> Answerer {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(1);
         static SERVING: AtomicBool = AtomicBool::new(false);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        let why = format!(
-            "the group went on as epoch {} with ranks {members:?} without it (rank {} answered)",
-            epoch + 1,
-            ctl.rank
-        );
-        let refusal = seal(&ctl.session, DROPPED, epoch, why.as_bytes());
+        let (kind, body) = match reply {
+            Reply::Following(c) => (FOLLOWING, (c as u32).to_le_bytes().to_vec()),
+            Reply::WentOn(members) => (
+                DROPPED,
+                format!(
+                    "the group went on as epoch {} with ranks {members:?} without it (rank {} \
+                     answered)",
+                    epoch + 1,
+                    ctl.rank
+                )
+                .into_bytes(),
+            ),
+        };
+        let reply = seal(&ctl.session, kind, epoch, &body);
         if ctl.listener.set_nonblocking(true).is_ok() {
             let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
             all.push(Retired {
                 id,
                 ctl,
                 epoch,
-                refusal,
+                kind,
+                reply,
                 door: Door::default(),
             });
         }
         // One thread for the process; started again where it could not be.
         if !SERVING.swap(true, Ordering::AcqRel)
             && std::thread::Builder::new()
-                .name("rdmacomm-retired".into())
+                .name("rdmacomm-ports".into())
                 .spawn(serve_retired)
                 .is_err()
         {
@@ -71,7 +89,7 @@ impl Drop for Answerer {
     }
 }
 
-/// The thread that answers at every retired port.
+/// The thread that answers at every served port.
 fn serve_retired() {
     loop {
         let (mut busy, mut idle) = (false, false);
@@ -82,20 +100,22 @@ fn serve_retired() {
                 let (asks, got) = r.door.poll(&r.ctl, r.epoch);
                 busy |= got;
                 for (_, a, sock) in asks {
-                    log::warn!(
-                        "rank {} told rank {} of epoch {} that its group went on without it",
-                        r.ctl.rank,
-                        a.rank,
-                        r.epoch
-                    );
+                    if r.kind == DROPPED {
+                        log::warn!(
+                            "rank {} told rank {} of epoch {} that its group went on without it",
+                            r.ctl.rank,
+                            a.rank,
+                            r.epoch
+                        );
+                    }
                     let _ = sock.set_nonblocking(false);
                     let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-                    let _ = send_frame(&sock, DROPPED, &r.refusal);
+                    let _ = send_frame(&sock, r.kind, &r.reply);
                 }
             }
         }
         if !busy {
-            // Nothing retired: it only looks now and then.
+            // Nothing served: it only looks now and then.
             std::thread::sleep(Duration::from_millis(if idle { 200 } else { 20 }));
         }
     }

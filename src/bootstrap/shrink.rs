@@ -12,6 +12,7 @@
 
 use super::control::*;
 use super::outcome::Control;
+use super::retired::{Answerer, Reply};
 use super::wire::{listen, put_bytes, recv_frame, send_frame, Reader};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -79,19 +80,29 @@ pub(crate) fn agree(
         .filter(|&q| q != ctl.rank)
         .collect();
     let mut silent: Vec<String> = Vec::new();
-    loop {
+    // A coordinator another rank follows, to ask before the lowest this one does not suspect.
+    let mut told: Option<usize> = None;
+    for _ in 0..4 * n + 4 {
         // This rank never suspects itself: the search ends at it at the latest.
-        let c = (0..n).find(|q| !suspects.contains(q)).unwrap_or(ctl.rank);
+        let c = told
+            .take()
+            .unwrap_or_else(|| (0..n).find(|q| !suspects.contains(q)).unwrap_or(ctl.rank));
         if c == ctl.rank {
-            return coordinate(ctl, epoch, &suspects, value, timeout);
+            match coordinate(ctl, epoch, &suspects, value, timeout)? {
+                Coordinated::Decided(d) => return Ok(d),
+                Coordinated::Follow(c) => {
+                    log::info!(
+                        "rank {}: joins the shrink coordinated by rank {c}",
+                        ctl.rank
+                    );
+                    told = Some(c);
+                    continue;
+                }
+            }
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(Error::Bootstrap(format!(
-                "rank {}: the shrink found no coordinator within its bound: {}",
-                ctl.rank,
-                silent.join("; ")
-            )));
+            break;
         }
         match ask(ctl, c, epoch, &suspects, value, timeout, left) {
             Ok(d) => return Ok(d),
@@ -103,15 +114,30 @@ pub(crate) fn agree(
                 silent.push(format!("rank {c} ({}): {why}", ctl.addrs[c]));
                 suspects.push(c);
             }
+            Err(Asked::Follows(d)) => told = Some(d),
             Err(Asked::Refused(e)) => return Err(e),
         }
     }
+    Err(Error::Bootstrap(format!(
+        "rank {}: the shrink found no coordinator within its bound: {}",
+        ctl.rank,
+        silent.join("; ")
+    )))
+}
+
+/// What a coordinator's collecting came to.
+enum Coordinated {
+    Decided(Decision),
+    /// It heard from nobody while others follow this coordinator: it joins them.
+    Follow(usize),
 }
 
 /// Why asking a coordinator gave no decision.
 enum Asked {
     /// It did not answer, or stopped: ask the next.
     Silent(String),
+    /// It follows this coordinator itself: ask that one.
+    Follows(usize),
     /// It answered that this rank does not go on.
     Refused(Error),
 }
@@ -128,6 +154,12 @@ fn ask(
 ) -> std::result::Result<Decision, Asked> {
     let until = Instant::now() + left;
     let key = &ctl.session;
+    // Meanwhile this rank's own port answers that it follows `c`: a rank that finds nobody else
+    // joins `c` rather than deciding alone.
+    let _serving = ctl
+        .try_clone()
+        .ok()
+        .map(|port| Answerer::start(port, epoch, Reply::Following(c)));
     let s = reach(
         &ctl.addrs[c],
         ctl.ports[c],
@@ -180,6 +212,19 @@ fn ask(
                     _ => return Err(Asked::Silent("a GO without its decision".into())),
                 }
             }
+            FOLLOWING => {
+                // A rank that is no coordinator: it follows this one.
+                return Err(
+                    match open(key, FOLLOWING, epoch, &m)
+                        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                        .map(|b| u32::from_le_bytes(b) as usize)
+                        .filter(|&d| d < ctl.ports.len() && d != c)
+                    {
+                        Some(d) => Asked::Follows(d),
+                        None => Asked::Silent("a malformed or forged answer".into()),
+                    },
+                );
+            }
             DROPPED => {
                 let why = open(key, DROPPED, epoch, &m)
                     .map(|b| String::from_utf8_lossy(b).into_owned())
@@ -210,14 +255,15 @@ fn closed(s: &TcpStream) -> bool {
 }
 
 /// The coordinator's side: takes SHRINKs for `timeout` at most (less once every rank nobody
-/// suspects has spoken), decides, and commits.
+/// suspects has spoken), decides, and commits; or, having heard from nobody while others follow
+/// another coordinator, joins that one.
 fn coordinate(
     ctl: &Control,
     epoch: u32,
     suspects: &[usize],
     value: u64,
     timeout: Duration,
-) -> Result<Decision> {
+) -> Result<Coordinated> {
     let (n, me, key) = (ctl.ports.len(), ctl.rank, &ctl.session);
     let l = &ctl.listener;
     let mut suspected = vec![false; n];
@@ -257,6 +303,10 @@ fn coordinate(
             if let Some(why) = found.left_out {
                 return Err(left_out_by(why));
             }
+            // Nobody asked this rank, and others follow another coordinator: join them.
+            if let Some(c) = found.following.filter(|&c| c != me && heard.is_empty()) {
+                return Ok(Coordinated::Follow(c));
+            }
             for q in found.gone {
                 if !heard.contains_key(&q) {
                     suspected[q] = true;
@@ -264,7 +314,15 @@ fn coordinate(
             }
         }
         let (asks, busy) = door.poll(ctl, epoch);
-        for (_, a, sock) in asks.into_iter().filter(|(kind, ..)| *kind == SHRINK) {
+        for (kind, a, sock) in asks {
+            if kind == PROBE {
+                // Another rank asks who coordinates: this one.
+                let _ = sock.set_nonblocking(false);
+                let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
+                let me32 = (me as u32).to_le_bytes();
+                let _ = send_frame(&sock, FOLLOWING, &seal(key, FOLLOWING, epoch, &me32));
+                continue;
+            }
             for &q in &a.suspects {
                 if q != me && !heard.contains_key(&q) {
                     suspected[q] = true;
@@ -365,10 +423,10 @@ fn coordinate(
                 // is named then.
                 let _ = send_frame(&m.sock, GO, &go);
             }
-            return Ok(Decision {
+            return Ok(Coordinated::Decided(Decision {
                 listener: Some(meet_l),
                 ..d
-            });
+            }));
         }
         for (q, why) in failed {
             log::warn!("rank {me}: rank {q} is dropped from the shrink: {why}");
@@ -428,6 +486,37 @@ mod tests {
         let r = hs.into_iter().map(|h| h.join().unwrap()).collect();
         drop(ctls);
         r
+    }
+
+    #[test]
+    fn a_rank_that_asks_a_follower_is_sent_to_its_coordinator() {
+        // Rank 2 suspects rank 0 (its error named it) and asks rank 1, which follows rank 0:
+        // rank 1's port sends it to rank 0, and the three agree, instead of rank 2 waiting out
+        // rank 1 and going on as a group of its own.
+        let t = Duration::from_millis(1500);
+        let mut ctls: Vec<Option<Control>> = group(3).into_iter().map(Some).collect();
+        let start = Instant::now();
+        let hs: Vec<_> = [(0, vec![]), (1, vec![]), (2, vec![0])]
+            .into_iter()
+            .map(|(r, s): (usize, Vec<usize>)| {
+                let c = ctls[r].take().unwrap();
+                std::thread::spawn(move || {
+                    if r == 2 {
+                        // Once rank 1 follows rank 0.
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    agree(&c, 0, &s, r as u64, t, Instant::now() + 8 * t)
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            let d = h
+                .join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            assert_eq!(d.members, vec![0, 1, 2], "rank {r}");
+        }
+        assert!(start.elapsed() < t, "{:?}", start.elapsed());
     }
 
     #[test]

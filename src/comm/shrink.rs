@@ -4,7 +4,7 @@
 //! collective teardown.
 
 use super::*;
-use crate::bootstrap::retired::Answerer;
+use crate::bootstrap::retired::{Answerer, Reply};
 use crate::bootstrap::shrink::{agree, Decision};
 
 /// What the ranks that go on after a [`Comm::shrink`] agreed.
@@ -54,7 +54,7 @@ impl Comm {
                 },
             ));
         }
-        let control = self.core.control.lock().unwrap_or_else(|e| e.into_inner());
+        let mut control = self.core.control.lock().unwrap_or_else(|e| e.into_inner());
         let ctl = control.as_ref().ok_or_else(|| {
             Error::Bootstrap(format!(
                 "rank {}: this communicator has no control port to shrink through (it was \
@@ -67,15 +67,29 @@ impl Comm {
         // Each coordinator lost costs three timeouts at most; two are allowed for.
         let deadline = Instant::now() + 7 * t;
         let mut meetings = 0;
-        let shrunk = loop {
+        let (comm, agreed) = loop {
             let d = agree(ctl, self.core.epoch, &suspects, value, t, deadline)?;
             self.retire_for(&format!(
                 "its shrunk successor of {} rank(s)",
                 d.members.len()
             ));
+            // From now on this rank's old port answers that the group went on as `members`: a
+            // rank left out learns it was, while the group meets and after.
+            let went_on = ctl.try_clone().ok().map(|port| {
+                Answerer::start(port, self.core.epoch, Reply::WentOn(d.members.clone()))
+            });
             meetings += 1;
             match self.meet_again(d) {
-                Ok(s) => break s,
+                Ok((comm, agreed)) => {
+                    if let Some(a) = went_on {
+                        comm.core
+                            .answerers
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(a);
+                    }
+                    break (comm, agreed);
+                }
                 Err(e) if meetings < MEETINGS && Instant::now() < deadline => {
                     log::warn!(
                         "rank {}: the shrunk group did not form ({e}); agreeing again",
@@ -85,19 +99,9 @@ impl Comm {
                 Err(e) => return Err(e),
             }
         };
-        // This rank's old port goes on answering, so a rank left out learns it was.
-        let mut control = control;
-        if let Some(ctl) = control.take() {
-            let a = Answerer::start(ctl, self.core.epoch, shrunk.1.members.clone());
-            shrunk
-                .0
-                .core
-                .answerers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(a);
-        }
-        Ok(shrunk)
+        // The port is the answerer's now (its own descriptor): this one is closed.
+        drop(control.take());
+        Ok((comm, agreed))
     }
 
     /// Which generation of its group this communicator is: 0 for one made by
