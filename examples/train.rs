@@ -67,6 +67,33 @@ fn per_bucket() -> usize {
     (BUCKET_BYTES / (PARAMS * 4)).max(1)
 }
 
+/// Backward over `shard` into `grad`, then each bucket all-reduced, in the overlapped run's
+/// order (the blocking run and the elastic one).
+fn blocking(
+    c: &Comm,
+    w: &[f32],
+    shard: &[usize],
+    grad: &mut [f32],
+    loss: &mut f32,
+) -> rdmacomm::Result<()> {
+    let buckets = || (0..LAYERS.div_ceil(per_bucket())).rev();
+    for b in buckets() {
+        for l in b * per_bucket()..((b + 1) * per_bucket()).min(LAYERS) {
+            let r = l * PARAMS..(l + 1) * PARAMS;
+            backward(l, &w[r.clone()], shard, &mut grad[r], loss);
+        }
+    }
+    for b in buckets() {
+        let r = b * per_bucket() * PARAMS..((b + 1) * per_bucket()).min(LAYERS) * PARAMS;
+        c.all_reduce(
+            AllReduce::Sum,
+            DType::f32,
+            bytemuck::cast_slice_mut(&mut grad[r]),
+        )?;
+    }
+    Ok(())
+}
+
 /// Trains from zero; returns the weights and the mean step time (ms).
 fn train(c: &Comm, overlap: bool) -> rdmacomm::Result<(Vec<f32>, f64)> {
     let (rank, n) = (c.rank(), c.size());
@@ -98,22 +125,7 @@ fn train(c: &Comm, overlap: bool) -> rdmacomm::Result<(Vec<f32>, f64)> {
                 Ok(())
             })??;
         } else {
-            // The same buckets in the same order, each all-reduced after the whole backward.
-            let buckets = || (0..LAYERS.div_ceil(per_bucket())).rev();
-            for b in buckets() {
-                for l in b * per_bucket()..((b + 1) * per_bucket()).min(LAYERS) {
-                    let r = l * PARAMS..(l + 1) * PARAMS;
-                    backward(l, &w[r.clone()], &shard, &mut grad[r], &mut loss);
-                }
-            }
-            for b in buckets() {
-                let r = b * per_bucket() * PARAMS..((b + 1) * per_bucket()).min(LAYERS) * PARAMS;
-                c.all_reduce(
-                    AllReduce::Sum,
-                    DType::f32,
-                    bytemuck::cast_slice_mut(&mut grad[r]),
-                )?;
-            }
+            blocking(c, &w, &shard, &mut grad, &mut loss)?;
         }
         let mut l = [loss];
         c.all_reduce(AllReduce::Sum, DType::f32, bytemuck::cast_slice_mut(&mut l))?;
@@ -152,25 +164,24 @@ fn unix_ms() -> u128 {
 fn step_on(c: &Comm, w: &mut [f32], grad: &mut [f32]) -> rdmacomm::Result<f32> {
     let shard: Vec<usize> = (c.rank()..SAMPLES).step_by(c.size()).collect();
     let mut loss = 0f32;
-    let buckets = || (0..LAYERS.div_ceil(per_bucket())).rev();
-    for b in buckets() {
-        for l in b * per_bucket()..((b + 1) * per_bucket()).min(LAYERS) {
-            let r = l * PARAMS..(l + 1) * PARAMS;
-            backward(l, &w[r.clone()], &shard, &mut grad[r], &mut loss);
-        }
-        let r = b * per_bucket() * PARAMS..((b + 1) * per_bucket()).min(LAYERS) * PARAMS;
-        c.all_reduce(
-            AllReduce::Sum,
-            DType::f32,
-            bytemuck::cast_slice_mut(&mut grad[r]),
-        )?;
-    }
+    blocking(c, w, &shard, grad, &mut loss)?;
     let mut l = [loss];
     c.all_reduce(AllReduce::Sum, DType::f32, bytemuck::cast_slice_mut(&mut l))?;
     for (wi, gi) in w.iter_mut().zip(grad.iter()) {
         *wi -= LR * gi / SAMPLES as f32;
     }
     Ok(l[0] / (SAMPLES * LAYERS * PARAMS) as f32)
+}
+
+/// Whether `w` is the same, bit for bit, on every rank of `c`.
+fn same_everywhere(c: &Comm, w: &[f32]) -> rdmacomm::Result<bool> {
+    let bits: Vec<u32> = w.iter().map(|v| v.to_bits()).collect();
+    let mut all = vec![0u32; bits.len() * c.size()];
+    c.all_gather(
+        bytemuck::cast_slice(&bits),
+        bytemuck::cast_slice_mut(&mut all),
+    )?;
+    Ok(all.chunks(bits.len()).all(|q| q == bits.as_slice()))
 }
 
 /// Rank 0's step and weights, on every rank (a newcomer's start).
@@ -316,13 +327,7 @@ fn elastic(relaunch: Option<std::path::PathBuf>) -> rdmacomm::Result<()> {
         }
     }
     let (rank, n) = (c.rank(), c.size());
-    let bits: Vec<u32> = w.iter().map(|v| v.to_bits()).collect();
-    let mut all = vec![0u32; bits.len() * n];
-    c.all_gather(
-        bytemuck::cast_slice(&bits),
-        bytemuck::cast_slice_mut(&mut all),
-    )?;
-    let same = all.chunks(bits.len()).all(|q| q == bits.as_slice());
+    let same = same_everywhere(&c, &w)?;
     if rank == 0 {
         // A run that never failed, on this rank alone (every sample in order).
         let mut r = vec![0f32; LAYERS * PARAMS];
@@ -371,13 +376,7 @@ fn main() -> rdmacomm::Result<()> {
     let (w_block, ms_block) = train(&c, false)?;
     let (w, ms_overlap) = train(&c, true)?;
     // Bit identity of the final weights across ranks, and with the blocking run.
-    let bits: Vec<u32> = w.iter().map(|v| v.to_bits()).collect();
-    let mut all = vec![0u32; bits.len() * n];
-    c.all_gather(
-        bytemuck::cast_slice(&bits),
-        bytemuck::cast_slice_mut(&mut all),
-    )?;
-    let same = all.chunks(bits.len()).all(|q| q == bits.as_slice());
+    let same = same_everywhere(&c, &w)?;
     let same_runs = w
         .iter()
         .zip(&w_block)

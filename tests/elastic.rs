@@ -251,6 +251,18 @@ fn shrink_body() {
     }
 }
 
+/// A case's defaults: rank 2 of 4 killed in an all_reduce, no replacement.
+const KILL: Case = Case {
+    op: "all_reduce",
+    n: 4,
+    victims: "2",
+    later: "",
+    how: "kill",
+    fault: None,
+    grow: false,
+    file: false,
+};
+
 struct Case {
     op: &'static str,
     /// Whether the survivors grow by one after the shrink (the victim's replacement).
@@ -384,80 +396,47 @@ macro_rules! case {
 
 case!(
     a_middle_rank_killed_in_an_all_reduce_is_shrunk_away,
-    Case {
-        op: "all_reduce",
-        n: 4,
-        victims: "2",
-        later: "",
-        how: "kill",
-        fault: None,
-        grow: false,
-        file: false,
-    }
+    Case { ..KILL }
 );
 case!(
     rank_0_killed_in_a_broadcast_is_shrunk_away,
     Case {
         op: "broadcast",
-        n: 4,
         victims: "0",
-        later: "",
-        how: "kill",
-        fault: None,
-        grow: false,
-        file: false,
+        ..KILL
     }
 );
 case!(
     the_last_rank_killed_in_a_sendrecv_is_shrunk_away,
     Case {
         op: "sendrecv",
-        n: 4,
         victims: "3",
-        later: "",
-        how: "kill",
-        fault: None,
-        grow: false,
-        file: false,
+        ..KILL
     }
 );
 case!(
     two_ranks_killed_at_once_are_shrunk_away,
     Case {
-        op: "all_reduce",
         n: 5,
         victims: "1,3",
-        later: "",
-        how: "kill",
-        fault: None,
-        grow: false,
-        file: false,
+        ..KILL
     }
 );
 case!(
     a_rank_lost_inside_the_shrink_is_dropped_too,
     Case {
-        op: "all_reduce",
         n: 5,
-        victims: "2",
-        later: "",
-        how: "kill",
         fault: Some((4, "exit-in-shrink")),
-        grow: false,
-        file: false,
+        ..KILL
     }
 );
 case!(
     a_group_shrinks_twice,
     Case {
-        op: "all_reduce",
         n: 5,
         victims: "1",
         later: "4",
-        how: "kill",
-        fault: None,
-        grow: false,
-        file: false,
+        ..KILL
     }
 );
 
@@ -470,14 +449,8 @@ fn a_stopped_rank_is_left_out_and_refused_when_it_wakes() {
     let r = run(
         NAME,
         Case {
-            op: "all_reduce",
-            n: 4,
-            victims: "2",
-            later: "",
             how: "stop",
-            fault: None,
-            grow: false,
-            file: false,
+            ..KILL
         },
     );
     // Woken after the others shrank: its operation fails and its shrink is refused, named.
@@ -497,14 +470,10 @@ fn a_stopped_rank_0_is_left_out_not_alone_when_it_wakes() {
     let r = run(
         NAME,
         Case {
-            op: "all_reduce",
             n: 3,
             victims: "0",
-            later: "",
             how: "stop",
-            fault: None,
-            grow: false,
-            file: false,
+            ..KILL
         },
     );
     let x = &r[0];
@@ -519,41 +488,29 @@ fn a_stopped_rank_0_is_left_out_not_alone_when_it_wakes() {
 case!(
     a_replacement_for_a_middle_rank_rejoins,
     Case {
-        op: "all_reduce",
-        n: 4,
-        victims: "2",
-        later: "",
         how: "replace",
-        fault: None,
         grow: true,
-        file: false,
+        ..KILL
     }
 );
 case!(
     a_replacement_for_rank_0_rejoins_through_the_coordinator_file,
     Case {
-        op: "all_reduce",
-        n: 4,
         victims: "0",
-        later: "",
         how: "replace",
-        fault: None,
         grow: true,
         file: true,
+        ..KILL
     }
 );
 
 case!(
     a_group_shrinks_grows_and_shrinks_again,
     Case {
-        op: "all_reduce",
-        n: 4,
-        victims: "2",
         later: "1",
         how: "replace",
-        fault: None,
         grow: true,
-        file: false,
+        ..KILL
     }
 );
 

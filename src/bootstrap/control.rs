@@ -105,20 +105,21 @@ pub(super) enum Reach {
 impl std::fmt::Display for Reach {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Reach::Refused => f.write_str("nobody listens at its control port"),
+            Reach::Refused => f.write_str("nobody listens there (connection refused)"),
             Reach::Failed(why) => f.write_str(why),
         }
     }
 }
 
-/// A connection to `addr`:`port` by `until` (a refusal is final: nobody listens there).
+/// A connection to `addr`:`port` (a rank's listener) by `until`: a refusal is final (nobody
+/// listens there), a slow network is tried again.
 pub(super) fn reach(
     addr: &str,
     port: u16,
     until: Instant,
 ) -> std::result::Result<TcpStream, Reach> {
     if port == 0 {
-        return Err(Reach::Failed("it has no control port".into()));
+        return Err(Reach::Failed("it has no port to reach".into()));
     }
     let ip: IpAddr = addr
         .parse()

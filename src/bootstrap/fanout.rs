@@ -367,24 +367,7 @@ fn note_stray(s: &TcpStream, what: &str) {
 /// A connection to `addr`:`port` (a rank's table listener, open since before its HELLO: a
 /// refusal is final, a slow network is tried again) by `deadline`.
 fn reach(addr: &str, port: u16, deadline: Instant) -> std::result::Result<TcpStream, String> {
-    let ip: IpAddr = addr
-        .parse()
-        .map_err(|_| format!("its address {addr:?} is not an IP address"))?;
-    let at = SocketAddr::new(ip, port);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let limit = left
-            .min(Duration::from_secs(1))
-            .max(Duration::from_millis(1));
-        match TcpStream::connect_timeout(&at, limit) {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut && !left.is_zero() => {}
-            Err(e) => return Err(format!("connecting to {at}: {e}")),
-        }
-    }
+    super::control::reach(addr, port, deadline).map_err(|e| e.to_string())
 }
 
 /// Rank `me` passes `table` to the ranks `kids` (rank, address, listener port), all at once,
