@@ -12,7 +12,7 @@
 //! usable, TCP otherwise), or inside the soft-RoCE VM: `tools/rxe-vm -- ...`.
 //!
 //! `rdmacomm-run -n 4 --max-restarts 1 -- train --elastic`: a rank is lost mid-training and the
-//! job goes on. Rank 2 SIGKILLs itself inside step 20 and the launcher starts a replacement; the three
+//! job goes on. Rank 2 SIGKILLs itself in step 20 and the launcher starts a replacement; the three
 //! survivors shrink, agree on the last step every one completed, roll back to it and redo the
 //! next; at step 30 they grow by the replacement, which receives the step and the weights by
 //! broadcast. It prints the time from the fault to the first completed step after it, and
@@ -234,16 +234,15 @@ fn elastic(relaunch: Option<std::path::PathBuf>) -> rdmacomm::Result<()> {
     let mut grown = newcomer;
     while step < STEPS {
         if step == FAULT_STEP && c.rank() == 2 && !grown && !struck && c.epoch() == 0 {
-            // SIGKILL from inside the step; the launcher starts the replacement.
+            // SIGKILL in step 20; the launcher starts the replacement.
             if let Some(dir) = &relaunch {
                 let _ = std::fs::write(dir.join("struck"), b"");
             }
             println!("fault: SIGKILL at {} ms", unix_ms());
-            std::thread::spawn(|| {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-                // SAFETY: kill(2) on this process; no memory is involved.
-                unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
-            });
+            // As this rank starts the step: the others are inside it, waiting on its
+            // gradients (a signal from another thread could land a step later).
+            // SAFETY: kill(2) on this process; no memory is involved.
+            unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
         }
         if step == GROW_STEP && !grown && relaunch.is_none() {
             let t = Instant::now();
