@@ -82,7 +82,7 @@ impl Algo {
         match self {
             Algo::Auto if shared && n > 2 && bytes <= DIRECT_MAX_BYTES => Algo::Direct,
             Algo::Auto if bytes <= limits.doubling_max => Algo::Doubling,
-            Algo::Auto if layered => Algo::Hierarchical,
+            Algo::Auto if layered && bytes > limits.hier_min => Algo::Hierarchical,
             Algo::Auto if n.is_power_of_two() || bytes <= limits.fold_max => Algo::Halving,
             Algo::Auto => Algo::Ring,
             a => a,
@@ -137,10 +137,12 @@ mod tests {
         let d = tuning::Limits {
             doubling_max: DOUBLING_MAX_BYTES,
             fold_max: 0,
+            hier_min: 0,
         };
         let lim = |doubling_max| tuning::Limits {
             doubling_max,
             fold_max: 0,
+            hier_min: 0,
         };
         let dd = DOUBLING_MAX_BYTES;
         assert_eq!(
@@ -191,6 +193,46 @@ mod tests {
             Algo::Hierarchical,
         ] {
             assert_eq!(forced.choose(4, 8, lim(usize::MAX), true, true), forced);
+        }
+    }
+
+    /// The choice on 256-1024 ranks, one rank a core on hosts of 64 (layered) or one rank a
+    /// host (flat), with the thresholds the links report: doubling for latency, halving-doubling
+    /// up to where the hierarchy's 126 in-host ring steps pay for themselves, then the
+    /// hierarchy; flat worlds not a power of two fold up to the ring's break-even.
+    #[test]
+    fn auto_stays_right_at_256_to_1024_ranks() {
+        use crate::transport::Medium::{Rdma, Tcp};
+        let auto = Algo::Auto;
+        let pick = |medium, n: usize, local: Option<usize>, bytes: usize| {
+            let mut limits = tuning::limits(medium, n);
+            if let Some(l) = local {
+                limits = limits.on_hosts_of(l);
+            }
+            auto.choose(n, bytes, limits, false, local.is_some())
+        };
+        let (k, m) = (1usize << 10, 1usize << 20);
+        for medium in [Rdma, Tcp] {
+            for (n, local) in [(1024, Some(64)), (768, Some(64)), (256, Some(64))] {
+                assert_eq!(pick(medium, n, local, 8), Algo::Doubling, "{n} ranks, 8 B");
+                assert_eq!(pick(medium, n, local, 16 * k), Algo::Doubling);
+                // 32 KiB-912 KiB: log2 n steps, not a 64-rank ring twice.
+                for bytes in [32 * k, 256 * k, 912 * k] {
+                    assert_eq!(
+                        pick(medium, n, local, bytes),
+                        Algo::Halving,
+                        "{n}: {bytes} B"
+                    );
+                }
+                for bytes in [912 * k + 1, 4 * m, 64 * m] {
+                    assert_eq!(pick(medium, n, local, bytes), Algo::Hierarchical);
+                }
+            }
+            // Flat: a power of two stays on halving-doubling; 1000 ranks fold up to 990
+            // messages' worth (30.9 MiB), past which the ring's 2 x 999 steps cost less.
+            assert_eq!(pick(medium, 1024, None, 64 * m), Algo::Halving);
+            assert_eq!(pick(medium, 1000, None, 30 * m), Algo::Halving);
+            assert_eq!(pick(medium, 1000, None, 64 * m), Algo::Ring);
         }
     }
 

@@ -37,12 +37,36 @@ pub fn fold_max(medium: Medium, n: usize) -> usize {
     n.saturating_sub(lg as usize) * latency_bytes(medium)
 }
 
+/// The largest all_reduce (bytes) that `Algo::Auto` runs flat rather than hierarchically on
+/// hosts of `local` ranks each. The hierarchy's in-host ring takes 2 (L - 1) steps where
+/// halving-doubling's in-host part takes 2 log2 L: below (L - 1 - log2 L) shared-memory
+/// messages' worth of bytes those extra steps cost more than the network bytes it saves (0 up
+/// to 4 ranks a host; 912 KiB at 64, where a 32 KiB all_reduce would otherwise wait on 126
+/// in-host steps).
+pub fn hier_min(local: usize) -> usize {
+    let lg = usize::BITS - 1 - local.max(1).leading_zeros(); // floor(log2 L)
+    local
+        .saturating_sub(1 + lg as usize)
+        .saturating_mul(latency_bytes(Medium::SharedMemory))
+}
+
 /// The sizes up to which `Algo::Auto` takes the latency-bound algorithms on `n` ranks over
-/// `medium`.
+/// `medium` (with no host layout: see [`Limits::on_hosts_of`]).
 pub fn limits(medium: Medium, n: usize) -> Limits {
     Limits {
         doubling_max: doubling_max(medium, n),
         fold_max: fold_max(medium, n),
+        hier_min: 0,
+    }
+}
+
+impl Limits {
+    /// These limits on a world laid out as hosts of `local` ranks each ([`hier_min`]).
+    pub fn on_hosts_of(self, local: usize) -> Limits {
+        Limits {
+            hier_min: hier_min(local),
+            ..self
+        }
     }
 }
 
@@ -54,6 +78,9 @@ pub struct Limits {
     /// Halving-doubling rather than the ring up to this many bytes where `n` is not a power of
     /// two ([`fold_max`]).
     pub fold_max: usize,
+    /// Hierarchical, where the hosts form a regular layout, only above this many bytes
+    /// ([`hier_min`]).
+    pub hier_min: usize,
 }
 
 /// The largest all_reduce (bytes) run in one piece over `medium`: a larger one runs as
@@ -124,6 +151,14 @@ mod tests {
         }
         assert_eq!(fold_max(Medium::SharedMemory, 12), 8 * (16 << 10));
         assert_eq!(fold_max(Medium::Tcp, 1), 0);
+    }
+
+    #[test]
+    fn the_hierarchy_starts_where_its_in_host_ring_stops_costing_more() {
+        // (L - 1 - floor(log2 L)) shared-memory messages' worth.
+        for (l, steps) in [(1, 0), (2, 0), (4, 1), (8, 4), (16, 11), (64, 57)] {
+            assert_eq!(hier_min(l), steps * (16 << 10), "{l} ranks a host");
+        }
     }
 
     #[test]

@@ -572,12 +572,11 @@ fn all_reduce(
         // Every rank has the same host map where it is regular (no rank is alone on its host
         // there), so every rank makes the same choice.
         let layout = c.layout.as_ref();
-        let (n, len, limits, shared) = (
-            l.size(),
-            part.len(),
-            tuning::limits(l.props().medium, l.size()),
-            l.props().shares_memory,
-        );
+        let mut limits = tuning::limits(l.props().medium, l.size());
+        if let Some(h) = layout {
+            limits = limits.on_hosts_of(h.local.len());
+        }
+        let (n, len, shared) = (l.size(), part.len(), l.props().shares_memory);
         match algo.choose(n, len, limits, shared, layout.is_some()) {
             Algo::Hierarchical => hier::all_reduce(l, layout, op, dtype, part, scratch)?,
             Algo::Direct => direct::all_reduce_direct(l, op, dtype, part, scratch)?,

@@ -6,16 +6,22 @@
 use crate::transport::op::{self, OpDesc, OpKind, Partners};
 
 /// One peer's operation numbers in each direction (see [`OpDesc::seq`]) and whether the
-/// current operation's first chunk each way is still to come.
+/// current operation's first chunk each way is still to come, as of operation `seen` with
+/// every peer.
 #[derive(Debug, Clone, Copy)]
 struct Counts {
     out: u64,
     inn: u64,
     first_out: bool,
     first_in: bool,
+    seen: u64,
 }
 
 /// The operation under way and its numbers with every peer.
+///
+/// An operation with every peer ([`Partners::All`], every collective) moves every peer's
+/// numbers; it is counted once and applied to a peer when that peer is next touched, so that
+/// starting one costs the same at any world size.
 #[derive(Debug)]
 pub(crate) struct Numbering {
     me: usize,
@@ -23,6 +29,8 @@ pub(crate) struct Numbering {
     /// `op`'s wire bytes, encoded once per operation and numbered per peer.
     wire: [u8; op::WIRE],
     peers: Vec<Counts>,
+    /// Operations with every peer started so far.
+    all: u64,
 }
 
 impl Numbering {
@@ -34,55 +42,84 @@ impl Numbering {
             inn: u64::MAX,
             first_out: false,
             first_in: false,
+            seen: 0,
         };
         Numbering {
             me,
             op,
             wire: op.encode(),
             peers: vec![none; n],
+            all: 0,
         }
+    }
+
+    /// Peer `p`'s counts with the operations with every peer it has not seen yet applied.
+    fn view(&self, p: usize) -> Counts {
+        let mut c = self.peers[p];
+        let missed = self.all - c.seen;
+        if missed > 0 {
+            c.out = c.out.wrapping_add(missed);
+            c.inn = c.inn.wrapping_add(missed);
+            // Nothing went either way since the last of them started (a post or a take
+            // would have applied them).
+            c.first_out = true;
+            c.first_in = true;
+            c.seen = self.all;
+        }
+        c
+    }
+
+    /// Applies to `p` the operations with every peer it has not seen yet.
+    fn sync(&mut self, p: usize) -> &mut Counts {
+        self.peers[p] = self.view(p);
+        &mut self.peers[p]
     }
 
     /// Starts `op` with the peers of `scope`: each direction it uses gets its next number.
     pub(crate) fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.op = *op;
         self.wire = op.encode();
+        if scope == Partners::All {
+            self.all += 1;
+            return;
+        }
         let n = self.peers.len();
-        let peers = &mut self.peers;
         scope.each(n, true, |p| {
-            peers[p].out = peers[p].out.wrapping_add(1);
-            peers[p].first_out = true;
+            let c = self.sync(p);
+            c.out = c.out.wrapping_add(1);
+            c.first_out = true;
         });
         scope.each(n, false, |p| {
-            peers[p].inn = peers[p].inn.wrapping_add(1);
-            peers[p].first_in = true;
+            let c = self.sync(p);
+            c.inn = c.inn.wrapping_add(1);
+            c.first_in = true;
         });
     }
 
     /// The descriptor of the operation under way, numbered for what this rank sends to `p`.
     pub(crate) fn desc_to(&self, p: usize) -> [u8; op::WIRE] {
-        OpDesc::numbered(self.wire, self.peers[p].out)
+        OpDesc::numbered(self.wire, self.view(p).out)
     }
 
     /// Whether the operation's first chunk to `p` is yet to be posted.
     pub(crate) fn first_to(&self, p: usize) -> bool {
-        self.peers[p].first_out
+        self.view(p).first_out
     }
 
     /// A chunk to `p` was posted.
     pub(crate) fn posted_to(&mut self, p: usize) {
-        self.peers[p].first_out = false;
+        self.sync(p).first_out = false;
     }
 
     /// Whether the operation's first chunk from `p` is yet to be taken (and checked).
     pub(crate) fn first_from(&self, p: usize) -> bool {
-        self.peers[p].first_in
+        self.view(p).first_in
     }
 
     /// Checks the descriptor `got` that `p`'s chunk carries against this rank's operation:
     /// `Err` names both calls, in words.
     pub(crate) fn check_from(&self, p: usize, got: &[u8]) -> Result<(), String> {
-        let seq = self.peers[p].inn;
+        let seq = self.view(p).inn;
         if got == OpDesc::numbered(self.wire, seq) {
             return Ok(());
         }
@@ -91,7 +128,7 @@ impl Numbering {
 
     /// A chunk from `p` was taken (its descriptor checked).
     pub(crate) fn took_from(&mut self, p: usize) {
-        self.peers[p].first_in = false;
+        self.sync(p).first_in = false;
     }
 }
 
@@ -151,5 +188,81 @@ mod tests {
             Some(u64::MAX),
             "nothing sent to rank 1 yet"
         );
+    }
+
+    /// The numbering as it was before operations with every peer were counted once: every
+    /// peer's numbers moved at each start (the reference the lazy numbering must equal).
+    struct Eager {
+        out: Vec<u64>,
+        inn: Vec<u64>,
+        first_out: Vec<bool>,
+        first_in: Vec<bool>,
+    }
+
+    impl Eager {
+        fn start(&mut self, scope: Partners) {
+            let n = self.out.len();
+            scope.each(n, true, |p| {
+                self.out[p] = self.out[p].wrapping_add(1);
+                self.first_out[p] = true;
+            });
+            scope.each(n, false, |p| {
+                self.inn[p] = self.inn[p].wrapping_add(1);
+                self.first_in[p] = true;
+            });
+        }
+    }
+
+    #[test]
+    fn operations_with_every_peer_number_as_if_each_peer_were_walked() {
+        let n = 9;
+        let mut lazy = Numbering::new(0, n);
+        let mut eager = Eager {
+            out: vec![u64::MAX; n],
+            inn: vec![u64::MAX; n],
+            first_out: vec![false; n],
+            first_in: vec![false; n],
+        };
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let seq = |w: [u8; op::WIRE]| OpDesc::decode(&w, 0).map(|d| d.seq);
+        for _ in 0..3000 {
+            let (a, b) = (rnd(n as u64) as usize, rnd(n as u64) as usize);
+            let (to, from) = ([a], [b]);
+            let scope = match rnd(4) {
+                0 | 1 => Partners::All,
+                2 => Partners::To(a),
+                _ => Partners::Peers {
+                    to: &to,
+                    from: &from,
+                },
+            };
+            let op = OpDesc::new(OpKind::AllReduce, rnd(100) as usize);
+            lazy.start(&op, scope);
+            eager.start(scope);
+            // Post to and take from a few peers, as an algorithm would.
+            for _ in 0..rnd(3) {
+                let p = rnd(n as u64) as usize;
+                if rnd(2) == 0 {
+                    lazy.posted_to(p);
+                    eager.first_out[p] = false;
+                } else {
+                    lazy.took_from(p);
+                    eager.first_in[p] = false;
+                }
+            }
+            let p = rnd(n as u64) as usize;
+            assert_eq!(seq(lazy.desc_to(p)), Some(eager.out[p]));
+            assert_eq!(lazy.first_to(p), eager.first_out[p]);
+            assert_eq!(lazy.first_from(p), eager.first_in[p]);
+            let mut mine = op;
+            mine.seq = eager.inn[p];
+            assert_eq!(lazy.check_from(p, &mine.encode()), Ok(()));
+        }
     }
 }

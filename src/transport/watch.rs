@@ -64,6 +64,17 @@ pub struct Watch {
     request: Arc<AbortRequest>,
     /// The operation under way, numbered per peer as the transports number it.
     op: OpDesc,
+    /// The operations started here, numbered per peer.
+    ledger: Ledger,
+    /// Probes for operations this rank has not reached yet, compared once it has.
+    held: Vec<Probe>,
+    /// Whether this operation's wait was told to the peer waited on.
+    probed: bool,
+}
+
+/// The operations a rank started, numbered per peer in each direction, with each peer's last
+/// [`HISTORY`] each way: what a peer's probe is compared against.
+struct Ledger {
     seq_out: Vec<u64>,
     seq_in: Vec<u64>,
     /// Per peer, the last [`HISTORY`] operations toward it: (number, descriptor).
@@ -75,10 +86,82 @@ pub struct Watch {
     ops: u64,
     out_at: Vec<u64>,
     in_at: Vec<u64>,
-    /// Probes for operations this rank has not reached yet, compared once it has.
-    held: Vec<Probe>,
-    /// Whether this operation's wait was told to the peer waited on.
-    probed: bool,
+    /// Operations with every peer ([`Partners::All`]) started so far, the last [`HISTORY`] of
+    /// them (`ops` at their start, descriptor) by that count, and per peer how many of them
+    /// its numbers include: they are applied to a peer when it is next looked at, so that a
+    /// collective's start does not walk the world.
+    all: u64,
+    all_log: [(u64, OpDesc); HISTORY],
+    seen_all: Vec<u64>,
+}
+
+impl Ledger {
+    fn new(n: usize) -> Ledger {
+        let none = OpDesc::new(OpKind::Barrier, 0);
+        Ledger {
+            seq_out: vec![0; n],
+            seq_in: vec![0; n],
+            sent: vec![[(0, none); HISTORY]; n],
+            recvd: vec![[(0, none); HISTORY]; n],
+            ops: 0,
+            out_at: vec![0; n],
+            in_at: vec![0; n],
+            all: 0,
+            all_log: [(0, none); HISTORY],
+            seen_all: vec![0; n],
+        }
+    }
+
+    fn started(&mut self, op: &OpDesc, scope: Partners) {
+        self.ops += 1;
+        if scope == Partners::All {
+            self.all += 1;
+            self.all_log[self.all as usize % HISTORY] = (self.ops, *op);
+            return;
+        }
+        let n = self.seq_out.len();
+        scope.each(n, true, |p| self.sync(p));
+        scope.each(n, false, |p| self.sync(p));
+        let ops = self.ops;
+        let (seq_out, sent, out_at) = (&mut self.seq_out, &mut self.sent, &mut self.out_at);
+        scope.each(n, true, |p| {
+            let k = seq_out[p].wrapping_add(1);
+            seq_out[p] = k;
+            sent[p][k as usize % HISTORY] = (k, *op);
+            out_at[p] = ops;
+        });
+        let (seq_in, recvd, in_at) = (&mut self.seq_in, &mut self.recvd, &mut self.in_at);
+        scope.each(n, false, |p| {
+            let k = seq_in[p].wrapping_add(1);
+            seq_in[p] = k;
+            recvd[p][k as usize % HISTORY] = (k, *op);
+            in_at[p] = ops;
+        });
+    }
+
+    /// Applies to peer `p`'s numbers and history the operations with every peer started since
+    /// it was last looked at, as if each had walked it.
+    fn sync(&mut self, p: usize) {
+        let missed = self.all - self.seen_all[p];
+        if missed == 0 {
+            return;
+        }
+        self.seen_all[p] = self.all;
+        // Only the last HISTORY of them are remembered, here and in the peer's history alike.
+        for j in self.all - missed.min(HISTORY as u64) + 1..=self.all {
+            let op = self.all_log[j as usize % HISTORY].1;
+            let t = missed - (self.all - j);
+            let k = self.seq_out[p].wrapping_add(t);
+            self.sent[p][k as usize % HISTORY] = (k, op);
+            let k = self.seq_in[p].wrapping_add(t);
+            self.recvd[p][k as usize % HISTORY] = (k, op);
+        }
+        self.seq_out[p] = self.seq_out[p].wrapping_add(missed);
+        self.seq_in[p] = self.seq_in[p].wrapping_add(missed);
+        let last = self.all_log[self.all as usize % HISTORY].0;
+        self.out_at[p] = last;
+        self.in_at[p] = last;
+    }
 }
 
 /// What a peer's probe shows against this rank's calls.
@@ -107,14 +190,8 @@ impl Watch {
             calls: 0,
             request: Arc::default(),
             op: OpDesc::new(OpKind::Barrier, 0),
-            sent: vec![[(0, OpDesc::new(OpKind::Barrier, 0)); HISTORY]; n],
-            recvd: vec![[(0, OpDesc::new(OpKind::Barrier, 0)); HISTORY]; n],
-            ops: 0,
-            out_at: vec![0; n],
-            in_at: vec![0; n],
+            ledger: Ledger::new(n),
             held: Vec::new(),
-            seq_out: vec![0; n],
-            seq_in: vec![0; n],
             probed: false,
         }
     }
@@ -273,22 +350,7 @@ impl Watch {
     pub fn started(&mut self, op: &OpDesc, scope: Partners) {
         self.op = *op;
         self.probed = false;
-        self.ops += 1;
-        let (n, ops) = (self.seq_out.len(), self.ops);
-        let (seq_out, sent, out_at) = (&mut self.seq_out, &mut self.sent, &mut self.out_at);
-        scope.each(n, true, |p| {
-            let k = seq_out[p].wrapping_add(1);
-            seq_out[p] = k;
-            sent[p][k as usize % HISTORY] = (k, *op);
-            out_at[p] = ops;
-        });
-        let (seq_in, recvd, in_at) = (&mut self.seq_in, &mut self.recvd, &mut self.in_at);
-        scope.each(n, false, |p| {
-            let k = seq_in[p].wrapping_add(1);
-            seq_in[p] = k;
-            recvd[p][k as usize % HISTORY] = (k, *op);
-            in_at[p] = ops;
-        });
+        self.ledger.started(op, scope);
     }
 
     /// Reads the side channel now: a peer's abort or a closed connection becomes our failure,
@@ -304,6 +366,9 @@ impl Watch {
             let fresh = self.side.take_probes();
             let all = held.iter().map(|p| (p, false));
             for (pr, new) in all.chain(fresh.iter().map(|p| (p, true))) {
+                if pr.from < self.ledger.seq_out.len() {
+                    self.ledger.sync(pr.from);
+                }
                 match self.deadlocked(pr, new) {
                     Verdict::Mismatch(why) => return Err(self.mismatch(pr.from, why)),
                     Verdict::NotYet if self.held.len() < 64 => self.held.push(*pr),
@@ -323,14 +388,24 @@ impl Watch {
     /// `fresh` probe only (a held one may be out of date).
     fn deadlocked(&self, pr: &Probe, fresh: bool) -> Verdict {
         let (q, me) = (pr.from, self.rank);
-        if q >= self.seq_out.len() || q == me {
+        if q >= self.ledger.seq_out.len() || q == me {
             return Verdict::Fine;
         }
         let mut not_yet = false;
         // (q's number, this rank's count that way, this rank's history that way)
         let ways = [
-            (pr.recvs, pr.seq_in, self.seq_out[q], &self.sent[q]),
-            (pr.sends, pr.seq_out, self.seq_in[q], &self.recvd[q]),
+            (
+                pr.recvs,
+                pr.seq_in,
+                self.ledger.seq_out[q],
+                &self.ledger.sent[q],
+            ),
+            (
+                pr.sends,
+                pr.seq_out,
+                self.ledger.seq_in[q],
+                &self.ledger.recvd[q],
+            ),
         ];
         for (goes, k, mine_so_far, history) in ways {
             if !goes || k == 0 {
@@ -351,8 +426,8 @@ impl Watch {
                 ));
             }
         }
-        let behind_me = pr.recvs && self.seq_out[q] < pr.seq_in;
-        let behind_them = pr.seq_out < self.seq_in[q];
+        let behind_me = pr.recvs && self.ledger.seq_out[q] < pr.seq_in;
+        let behind_them = pr.seq_out < self.ledger.seq_in[q];
         if fresh && behind_me && behind_them && self.side.waiting() == Some(q) {
             let theirs = OpDesc::decode(&pr.desc, pr.seq_in)
                 .map_or_else(|| "an operation".to_string(), |t| t.to_string());
@@ -361,7 +436,7 @@ impl Watch {
                  counting what rank {me} sent to it), while rank {me} waits on rank {q} in {} (its \
                  operation {} counting what rank {q} sent to it): neither can move; every rank \
                  must call the same operations, with the same arguments, in the same order",
-                pr.seq_in, self.op, self.seq_in[q]
+                pr.seq_in, self.op, self.ledger.seq_in[q]
             ));
         }
         if not_yet {
@@ -375,15 +450,17 @@ impl Watch {
     /// `stalled`: also fails when `p` closed its communicator at least [`LEAVE_GRACE`] ago (time
     /// for what it sent before to arrive); past [`PROBE_AFTER`], tells `p` what it waits for.
     pub fn poll_waiting(&mut self, p: usize, stalled: Duration) -> Result<()> {
-        if !self.probed && stalled >= PROBE_AFTER && p != self.rank && p < self.seq_in.len() {
+        if !self.probed && stalled >= PROBE_AFTER && p != self.rank && p < self.ledger.seq_in.len()
+        {
             self.probed = true;
+            self.ledger.sync(p);
             self.side.probe(&Probe {
                 from: p,
-                seq_in: self.seq_in[p],
-                seq_out: self.seq_out[p],
+                seq_in: self.ledger.seq_in[p],
+                seq_out: self.ledger.seq_out[p],
                 desc: self.op.encode(),
-                sends: self.out_at[p] == self.ops,
-                recvs: self.in_at[p] == self.ops,
+                sends: self.ledger.out_at[p] == self.ledger.ops,
+                recvs: self.ledger.in_at[p] == self.ledger.ops,
             });
         }
         self.poll()?;
@@ -469,5 +546,56 @@ impl Watch {
     /// Whether nothing has failed and the thread is not unwinding (then sends are flushed).
     pub fn healthy(&self) -> bool {
         self.failed.is_none() && !std::thread::panicking()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ledger and the same operations walked peer by peer, as before operations with every
+    /// peer were counted once, agree on every peer's numbers, history and last operations.
+    #[test]
+    fn a_ledger_applies_operations_with_every_peer_as_if_walked() {
+        let n = 7;
+        let mut lazy = Ledger::new(n);
+        let mut eager = Ledger::new(n);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for i in 0..2000 {
+            let (a, b) = (rnd(n as u64) as usize, rnd(n as u64) as usize);
+            let (to, from) = ([a], [b]);
+            let scope = match rnd(5) {
+                0..=2 => Partners::All,
+                3 => Partners::From(b),
+                _ => Partners::Peers {
+                    to: &to,
+                    from: &from,
+                },
+            };
+            let op = OpDesc::new(OpKind::AllReduce, i);
+            lazy.started(&op, scope);
+            // The walk: every peer's numbers move, one by one.
+            let all = Partners::Peers {
+                to: &[0, 1, 2, 3, 4, 5, 6],
+                from: &[0, 1, 2, 3, 4, 5, 6],
+            };
+            eager.started(&op, if scope == Partners::All { all } else { scope });
+            let p = rnd(n as u64) as usize;
+            lazy.sync(p);
+            assert_eq!(lazy.seq_out[p], eager.seq_out[p], "operation {i}, peer {p}");
+            assert_eq!(lazy.seq_in[p], eager.seq_in[p]);
+            assert_eq!(lazy.sent[p], eager.sent[p]);
+            assert_eq!(lazy.recvd[p], eager.recvd[p]);
+            assert_eq!(
+                (lazy.out_at[p], lazy.in_at[p]),
+                (eager.out_at[p], eager.in_at[p])
+            );
+        }
     }
 }
