@@ -261,6 +261,7 @@ const KILL: Case = Case {
     fault: None,
     grow: false,
     file: false,
+    debug: false,
 };
 
 struct Case {
@@ -269,6 +270,8 @@ struct Case {
     grow: bool,
     /// Whether newcomers find rank 0 through a coordinator file.
     file: bool,
+    /// Whether ranks log at `info` (what each carried over).
+    debug: bool,
     n: usize,
     victims: &'static str,
     later: &'static str,
@@ -298,6 +301,9 @@ fn run(name: &str, k: Case) -> Vec<RankResult> {
             ];
             if k.grow {
                 v.push(("ELASTIC_GROW".into(), "1".into()));
+            }
+            if k.debug {
+                v.push(("RDMACOMM_DEBUG".into(), "info".into()));
             }
             if k.file {
                 let f =
@@ -439,6 +445,44 @@ case!(
         ..KILL
     }
 );
+
+/// Over TCP the survivors carry their connections to each other into the shrunk group, drained
+/// of what the failed all_reduce left in flight (half a megabyte a step: its results after the
+/// shrink are checked, as in every case, against a scalar re-computation).
+#[test]
+fn survivors_carry_their_tcp_connections_over() {
+    const NAME: &str = "survivors_carry_their_tcp_connections_over";
+    if !parent_ready(NAME, shrink_body) {
+        return;
+    }
+    if require_rdma() || net() != Net::Env {
+        println!("SKIPPED: TCP connections, on the host");
+        return;
+    }
+    let r = run(
+        NAME,
+        Case {
+            debug: true,
+            ..KILL
+        },
+    );
+    for x in r.iter().filter(|x| x.rank != 2) {
+        let line = x
+            .output
+            .lines()
+            .find(|l| l.contains(" connection(s) carried over"))
+            .unwrap_or_else(|| panic!("rank {}: {}", x.rank, x.output));
+        let at = line.find(" connection(s) carried over").unwrap();
+        let carried: usize = line[..at]
+            .split_whitespace()
+            .last()
+            .unwrap()
+            .parse()
+            .unwrap();
+        // Halving-doubling on 4 ranks connected each survivor to another survivor.
+        assert!(carried >= 1, "rank {}: {line}", x.rank);
+    }
+}
 
 #[test]
 fn a_stopped_rank_is_left_out_and_refused_when_it_wakes() {

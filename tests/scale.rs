@@ -59,8 +59,9 @@ fn body() {
     );
 }
 
-/// What a rank held: shared MiB, pinned MiB, connections.
-type Held = (f64, f64, usize);
+/// What a rank held: shared MiB, pinned MiB, connections, MiB in (unpinned) connection
+/// buffers.
+type Held = (f64, f64, usize, f64);
 
 /// Runs `n` ranks of `name` over `transport` (connecting as `connect` says), asserts every one
 /// checked its results, and returns what each rank held when it had joined and when it closed
@@ -106,6 +107,7 @@ fn run_on(
                     held(line, " MiB shared"),
                     held(line, " MiB pinned"),
                     held(line, " connections") as usize,
+                    held(line, " MiB in connection buffers"),
                 )
             };
             let line = |what: &str| out.lines().find(|l| l.contains(what)).expect(what);
@@ -117,6 +119,96 @@ fn run_on(
         t0.elapsed().as_millis()
     );
     holds
+}
+
+/// The scale figures of docs/BENCHMARKS.md (not run by CI: minutes at 256 ranks on 2 cores):
+/// `SCALE_RANKS` ranks (default 256) over `SCALE_TRANSPORT` (tcp) connecting as
+/// `SCALE_CONNECT` (on-demand) run the four checked collectives; prints one line of what the
+/// ranks held at the close, from their own `info` lines.
+#[test]
+#[ignore]
+fn checked_at_scale() {
+    const NAME: &str = "checked_at_scale";
+    if !parent_ready(NAME, body) {
+        return;
+    }
+    let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+    let n: usize = var("SCALE_RANKS", "256").parse().expect("SCALE_RANKS");
+    let (transport, connect) = (
+        var("SCALE_TRANSPORT", "tcp"),
+        var("SCALE_CONNECT", "on-demand"),
+    );
+    let env = |_| {
+        [
+            ("RDMACOMM_TRANSPORT", transport.as_str()),
+            ("RDMACOMM_TIMEOUT", "300"),
+            ("RDMACOMM_DEBUG", "info"),
+            ("RDMACOMM_CONNECT", connect.as_str()),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    };
+    let t0 = Instant::now();
+    let outs = spawn(NAME, n, Placement::Local, &env, Duration::from_secs(1200));
+    let job = t0.elapsed();
+    assert_all_ok(&outs);
+    // (joined ms, connections, MiB buffered, MiB shared, MiB pinned, resident KiB, threads,
+    // descriptors) of each rank.
+    let rows: Vec<[f64; 8]> = outs
+        .iter()
+        .map(|x| {
+            let out = &x.output;
+            let joined = out
+                .lines()
+                .find_map(|l| l.split("CHECKED joined in ").nth(1))
+                .and_then(|v| v.trim_end_matches(" ms").parse().ok())
+                .unwrap_or_else(|| panic!("rank {}: not checked: {out}", x.rank));
+            let line = out
+                .lines()
+                .find(|l| l.contains(" closes; it holds "))
+                .expect("closes");
+            let after = |what: &str| -> f64 {
+                let at = line
+                    .find(what)
+                    .unwrap_or_else(|| panic!("{what} in {line}"));
+                line[..at]
+                    .split_whitespace()
+                    .last()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            };
+            [
+                joined,
+                held(line, " connections"),
+                held(line, " MiB in connection buffers"),
+                held(line, " MiB shared"),
+                held(line, " MiB pinned"),
+                after(" kB resident"),
+                after(" threads"),
+                after(" descriptors"),
+            ]
+        })
+        .collect();
+    let max = |i: usize, from: usize| rows[from..].iter().map(|r| r[i]).fold(0.0, f64::max);
+    println!(
+        "SCALE {n} ranks over {transport} {connect}: job {:.2} s, rank 0 made in {} ms (slowest \
+         rank {} ms); per rank at most: {} connections, {:.2} MiB connection buffers, {:.1} MiB \
+         shared, {:.1} MiB pinned, {:.1} MiB resident, {} threads, descriptors rank 0 {} / \
+         others {}",
+        job.as_secs_f64(),
+        rows[0][0],
+        max(0, 0),
+        max(1, 0),
+        max(2, 0),
+        max(3, 0),
+        max(4, 0),
+        max(5, 0) / 1024.0,
+        max(6, 0),
+        rows[0][7],
+        max(7, 1),
+    );
 }
 
 #[test]
@@ -132,16 +224,22 @@ fn sixty_four_ranks_over_tcp() {
     for (r, (joined, closed)) in run(NAME, 64, "tcp", "on-demand").into_iter().enumerate() {
         assert_eq!(
             joined,
-            (0.0, 0.0, 0),
+            (0.0, 0.0, 0, 0.0),
             "rank {r}: nothing connected at creation"
         );
-        let (shared, pinned, conns) = closed;
+        let (shared, pinned, conns, buffered) = closed;
         assert_eq!((shared, pinned), (0.0, 0.0), "rank {r}");
         // Recursive doubling (6 partners), a ring (2) and a binomial tree (at most 6 children
         // and a parent) overlap: never a socket to most of the 63 peers.
         assert!(
             (1..=15).contains(&conns),
             "rank {r}: {conns} connections for 4 collectives"
+        );
+        // Each connection's receive buffer holds four chunks (256 KiB with the default chunk);
+        // all of them stay within the per-rank bound (PEER_MEMORY, 64 MiB).
+        assert!(
+            buffered >= conns as f64 * 0.25 - 0.05 && buffered <= 64.0,
+            "rank {r}: {buffered} MiB in the buffers of {conns} connections"
         );
     }
 }
@@ -157,8 +255,14 @@ fn sixteen_ranks_connect_eagerly() {
         return;
     }
     for (r, (joined, closed)) in run(NAME, 16, "tcp", "eager").into_iter().enumerate() {
-        assert_eq!(joined, (0.0, 0.0, 15), "rank {r}: a socket to every peer");
-        assert_eq!(closed, joined, "rank {r}");
+        assert_eq!(joined.2, 15, "rank {r}: a socket to every peer");
+        assert_eq!((joined.0, joined.1), (0.0, 0.0), "rank {r}");
+        // A send queue may have grown since (a socket that pushed back): connections did not.
+        assert_eq!(
+            (closed.0, closed.1, closed.2),
+            (joined.0, joined.1, joined.2),
+            "rank {r}"
+        );
     }
 }
 
@@ -172,7 +276,7 @@ fn thirty_two_ranks_over_shared_memory() {
         println!("SKIPPED: runs on the host");
         return;
     }
-    for (r, ((shared, pinned, conns), _)) in
+    for (r, ((shared, pinned, conns, _), _)) in
         run(NAME, 32, "shm", "on-demand").into_iter().enumerate()
     {
         assert!(shared <= 4.0, "rank {r}: {shared} MiB of shared memory");
@@ -205,7 +309,7 @@ fn eleven_ranks_beside_a_network_on_a_crowded_host() {
     };
     let held = run_on(NAME, 11, Placement::Local, "tcp", "on-demand", &hosts);
     let mut host = 0.0;
-    for (r, ((shared, pinned, _), _)) in held.into_iter().enumerate() {
+    for (r, ((shared, pinned, _, _), _)) in held.into_iter().enumerate() {
         assert_eq!(pinned, 0.0, "rank {r}");
         if r == lone {
             assert_eq!(shared, 0.0, "rank {r} is alone on its host");
@@ -254,7 +358,7 @@ fn twenty_four_ranks_over_rdma_on_three_hosts() {
             "rank {r}: {} MiB pinned at creation",
             joined.1
         );
-        let (shared, pinned, conns) = closed;
+        let (shared, pinned, conns, _) = closed;
         println!("rank {r}: {pinned} MiB pinned, {conns} queue pairs at the close");
         assert_eq!(shared, 0.0, "rank {r}");
         assert!((1..=23).contains(&conns), "rank {r}: {conns} queue pairs");
@@ -581,7 +685,7 @@ fn operations_with_every_peer_stay_within_peers_max() {
     let n = 16;
     let cap = |_| vec![("RDMACOMM_PEERS_MAX", "3".to_string())];
     let held = run_on(NAME, n, placement, transport, "on-demand", &cap);
-    for (r, (_, (_, _, conns))) in held.into_iter().enumerate() {
+    for (r, (_, (_, _, conns, _))) in held.into_iter().enumerate() {
         let want = wide_partners(r, n).len();
         assert!(want < n - 1, "rank {r}: the trees use {want} peers");
         assert_eq!(conns, want, "rank {r}: connections at the close");

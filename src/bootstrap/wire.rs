@@ -43,8 +43,9 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// are set up over the data connection); 8: the table fans out along a tree (`fanout.rs`): each
 /// rank's ROUTE from rank 0, a listener's port in the HELLO; 9: descriptors carry the calling
 /// communicator's number (shared views), their byte count in 48 bits; 10: every rank's control
-/// port in the table (a shrink's messages).
-pub(crate) const VERSION: u16 = 10;
+/// port in the table (a shrink's messages); 11: a TCP card lists the ranks whose connection it
+/// carries over from the generation before.
+pub(crate) const VERSION: u16 = 11;
 // Every frame kind of the bootstrap's connection, rendezvous and side channel alike (one
 // connection becomes the other): each number once (`every_kind_is_its_own`).
 pub(crate) const HELLO: u8 = 1;

@@ -6,6 +6,7 @@
 use super::*;
 use crate::bootstrap::retired::{Answerer, Reply};
 use crate::bootstrap::shrink::{agree, Decision};
+use crate::transport::Kept;
 
 /// What the ranks that go on after a [`Comm::shrink`] agreed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +22,10 @@ pub struct Agreed {
 /// How many times the survivors meet again after their new group failed to form (a member
 /// lost between the agreement and its rendezvous).
 const MEETINGS: usize = 3;
+
+/// How long the members drain the connections they keep at most: past it a connection whose
+/// peer's fence has not come is closed, and dialed again when first needed.
+const DRAIN_FOR: Duration = Duration::from_secs(2);
 
 impl Comm {
     /// Ends this communicator and gives the ranks still alive a new one over themselves,
@@ -176,17 +181,34 @@ impl Comm {
         cfg.world_size = members.len();
         cfg.coordinator = meet;
         cfg.local_world = self.members_here(&members);
+        let epoch = self.core.epoch + 1;
+        // The connections between members carry over, drained, where both ends can keep them.
+        let kept = match self.lock().link.as_mut() {
+            Some(l) if members.len() > 1 => l.keep(
+                &members,
+                epoch,
+                Instant::now() + self.cfg.timeout.min(DRAIN_FOR),
+            ),
+            _ => Kept::default(),
+        };
+        let carried = kept.len();
         let link = if members.len() > 1 {
             let meet_cfg = cfg.clone();
-            Some(transport::connect_with(&cfg, cfg.transport, &mut |card| {
-                crate::bootstrap::rendezvous::rendezvous_on(&meet_cfg, card, listener.take())
-            })?)
+            Some(transport::connect_keeping(
+                &cfg,
+                cfg.transport,
+                kept,
+                &mut |card| {
+                    crate::bootstrap::rendezvous::rendezvous_on(&meet_cfg, card, listener.take())
+                },
+            )?)
         } else {
             None
         };
-        let comm = self.successor(cfg, link, self.core.epoch + 1);
+        let comm = self.successor(cfg, link, epoch);
         log::info!(
-            "rank {} goes on as rank {rank} of {} (epoch {}), with ranks {members:?}",
+            "rank {} goes on as rank {rank} of {} (epoch {}), with ranks {members:?}, {carried} \
+             connection(s) carried over",
             self.rank,
             members.len(),
             comm.core.epoch

@@ -256,6 +256,22 @@ impl Dialer {
     }
 
     /// Whether a dial or an accepted connection is under way.
+    /// Ends every connection under way, dialed or accepted: this generation makes no more
+    /// (a peer that had accepted one of them then sees it close).
+    pub(crate) fn abandon(&mut self) {
+        self.out.iter_mut().for_each(|o| *o = None);
+        self.inbound.clear();
+        self.under_way = 0;
+    }
+
+    /// Peer `p` is connected already (a connection carried over from a communicator before):
+    /// a dial from it is declined, as from any peer up.
+    pub(crate) fn connected(&mut self, p: usize) {
+        if let Some(u) = self.up.get_mut(p) {
+            *u = true;
+        }
+    }
+
     pub(crate) fn busy(&self) -> bool {
         !self.inbound.is_empty() || self.under_way > 0
     }
@@ -292,7 +308,13 @@ impl Dialer {
             read: true,
             write: false,
         });
-        let out = self.out.iter().flatten().filter_map(|o| match o {
+        // No walk over the world while no dial is under way.
+        let dials = if self.under_way > 0 {
+            &self.out[..]
+        } else {
+            &[]
+        };
+        let out = dials.iter().flatten().filter_map(|o| match o {
             Outgoing::Connecting(s) => Some(crate::sys::Wait {
                 fd: s.as_raw_fd(),
                 read: false,

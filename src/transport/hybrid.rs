@@ -16,7 +16,7 @@ use crate::transport::op::{OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::shm::{blame, NAP, SPIN, YIELD};
 use crate::transport::shm_slots::{slots_for, Fit, Pending, Slots};
-use crate::transport::{rdma, tcp, Lending, Link, Props, Transport};
+use crate::transport::{rdma, tcp, Kept, Lending, Link, Props, Transport};
 use std::time::Duration;
 
 /// A network transport with shared memory to same-host peers.
@@ -33,9 +33,10 @@ pub struct HybridTransport {
 /// Connects RDMA (`rdma`) or TCP to every rank through `meet`, with shared memory to the ranks on
 /// this host where [`Config::shm_for_peers`] says so (returned as the network transport alone
 /// where this rank has no such peer).
-pub fn connect_with(
+pub(crate) fn connect_with(
     cfg: &Config,
     rdma: bool,
+    kept: Kept,
     meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
     cfg.validate()?;
@@ -44,7 +45,7 @@ pub fn connect_with(
         return Ok(if rdma {
             Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)
         } else {
-            Box::new(tcp::TcpTransport::connect_with(cfg, meet)?)
+            Box::new(tcp::TcpTransport::connect_keeping(cfg, kept.tcp, meet)?)
         });
     }
     let chunk = if rdma { cfg.slot_bytes } else { cfg.tcp_chunk };
@@ -81,7 +82,11 @@ pub fn connect_with(
     let mut net: Box<dyn Transport> = if rdma {
         Box::new(rdma::RdmaTransport::connect_with(cfg, &mut wrapped)?)
     } else {
-        Box::new(tcp::TcpTransport::connect_with(cfg, &mut wrapped)?)
+        Box::new(tcp::TcpTransport::connect_keeping(
+            cfg,
+            kept.tcp,
+            &mut wrapped,
+        )?)
     };
     Ok(match rings {
         // Alone on its host, a rank still cuts its chunks as the rings do elsewhere.
@@ -300,5 +305,8 @@ impl Transport for HybridTransport {
     }
     fn holds(&self) -> crate::transport::Holdings {
         self.net.holds() + self.rings.holds()
+    }
+    fn keep(&mut self, members: &[usize], epoch: u32, until: std::time::Instant) -> Kept {
+        self.net.keep(members, epoch, until)
     }
 }

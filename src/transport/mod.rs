@@ -212,6 +212,9 @@ pub(crate) fn copy_chunk(src: &[u8], dst: &mut [u8], peer: usize) -> Result<()> 
 pub struct Holdings {
     /// Registered (pinned) bytes of its own (not the caller's registered buffers).
     pub pinned: usize,
+    /// Bytes of per-connection buffers of its own that are not pinned (TCP's receive buffers
+    /// and send queues).
+    pub buffered: usize,
     /// Bytes of the shared-memory segment this rank created.
     pub shared: usize,
     /// Bytes of same-host peers' segments this rank maps.
@@ -225,6 +228,7 @@ impl std::ops::Add for Holdings {
     fn add(self, o: Holdings) -> Holdings {
         Holdings {
             pinned: self.pinned + o.pinned,
+            buffered: self.buffered + o.buffered,
             shared: self.shared + o.shared,
             mapped: self.mapped + o.mapped,
             connections: self.connections + o.connections,
@@ -237,8 +241,10 @@ impl std::fmt::Display for Holdings {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         write!(
             f,
-            "{:.1} MiB pinned, {:.1} MiB shared (and {:.1} MiB of peers' mapped), {} connections",
+            "{:.1} MiB pinned, {:.1} MiB in connection buffers, {:.1} MiB shared (and {:.1} MiB \
+             of peers' mapped), {} connections",
             mib(self.pinned),
+            mib(self.buffered),
             mib(self.shared),
             mib(self.mapped),
             self.connections
@@ -267,6 +273,28 @@ pub trait Transport: Link + Send {
     fn note_progress(&mut self);
     /// What it holds now.
     fn holds(&self) -> Holdings;
+    /// Hands over, drained, the connections to `members` (ranks of this link, in the order of
+    /// the next generation, `epoch`) that can serve it, within `until`; each member calls it at
+    /// once (`Comm::shrink`). None by default (a transport whose connections cannot move).
+    fn keep(&mut self, members: &[usize], epoch: u32, until: std::time::Instant) -> Kept {
+        let _ = (members, epoch, until);
+        Kept::default()
+    }
+}
+
+/// Connections a communicator's next generation starts with ([`Transport::keep`]), by its
+/// ranks.
+#[derive(Default)]
+pub(crate) struct Kept {
+    /// TCP data connections, drained.
+    pub(crate) tcp: Vec<(usize, tcp::KeptConn)>,
+}
+
+impl Kept {
+    /// How many connections it holds.
+    pub(crate) fn len(&self) -> usize {
+        self.tcp.len()
+    }
 }
 
 pub use crate::config::TransportKind;
@@ -311,9 +339,19 @@ pub fn connect_with(
     kind: TransportKind,
     meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
 ) -> Result<Box<dyn Transport>> {
+    connect_keeping(cfg, kind, Kept::default(), meet)
+}
+
+/// [`connect_with`], starting with the connections `kept` from a generation before.
+pub(crate) fn connect_keeping(
+    cfg: &crate::Config,
+    kind: TransportKind,
+    kept: Kept,
+    meet: &mut dyn FnMut(&rendezvous::Card) -> Result<rendezvous::Rendezvous>,
+) -> Result<Box<dyn Transport>> {
     descriptors::ensure(cfg.rank, cfg.world_size)?;
     if kind == TransportKind::Shm || kind == TransportKind::Auto && cfg.all_local() {
         return Ok(Box::new(shm::ShmTransport::connect_with(cfg, meet)?));
     }
-    hybrid::connect_with(cfg, resolves_to_rdma(kind), meet)
+    hybrid::connect_with(cfg, resolves_to_rdma(kind), kept, meet)
 }

@@ -272,14 +272,21 @@ pub fn spawn(
     let mut children = Vec::new();
     for r in 0..n {
         let mut c = Command::new(&exe);
-        c.args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, name)
-            .env("RDMACOMM_RANK", r.to_string())
-            .env("RDMACOMM_WORLD_SIZE", n.to_string())
-            .env("RDMACOMM_COORDINATOR", format!("{coord_ip}:{port}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        // A child of an ignored test (run by hand) runs its body too.
+        c.args([
+            name,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "--include-ignored",
+        ])
+        .env(CHILD, name)
+        .env("RDMACOMM_RANK", r.to_string())
+        .env("RDMACOMM_WORLD_SIZE", n.to_string())
+        .env("RDMACOMM_COORDINATOR", format!("{coord_ip}:{port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
         for (k, v) in net_vars(net(), r) {
             c.env(k, v);
         }

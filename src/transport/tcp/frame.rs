@@ -61,6 +61,11 @@ pub(super) struct InQueue {
 }
 
 impl InQueue {
+    /// Bytes it holds allocated.
+    pub(super) fn capacity(&self) -> usize {
+        self.buf.len()
+    }
+
     pub(super) fn new(cap: usize) -> InQueue {
         InQueue {
             buf: vec![0; cap],

@@ -6,8 +6,8 @@ impl TcpTransport {
     /// Moves bytes: writes what is queued, reads what has arrived. Returns whether any moved.
     pub(super) fn pump(&mut self) -> Result<bool> {
         let mut moved = false;
-        for p in 0..self.n {
-            moved |= self.pump_one(p)?;
+        for i in 0..self.up.len() {
+            moved |= self.pump_one(self.up[i])?;
         }
         Ok(moved)
     }
@@ -65,7 +65,9 @@ impl TcpTransport {
     /// Waits up to `d` for any socket to become readable (or writable when output is queued),
     /// the listener (a peer may dial) and the connections under way.
     pub(super) fn wait(&mut self, d: Duration) {
-        let socks = self.conns.iter().flatten().map(|c| crate::sys::Wait {
+        let conns = &self.conns;
+        let up = self.up.iter().filter_map(|&p| conns[p].as_ref());
+        let socks = up.map(|c| crate::sys::Wait {
             fd: c.sock.as_raw_fd(),
             read: true,
             write: !c.out.is_empty(),
@@ -74,11 +76,19 @@ impl TcpTransport {
         crate::sys::wait(socks.chain(dials), d.as_millis() as u64, &mut self.fds);
     }
 
+    /// A peer to which posted data still waits in its queue.
+    pub(super) fn queued(&self) -> Option<usize> {
+        let conns = &self.conns;
+        let queued = |p: &usize| conns[*p].as_ref().is_some_and(|c| !c.out.is_empty());
+        self.up.iter().copied().find(queued)
+    }
+
     /// Whether every peer is still reachable, without blocking.
     pub fn health(&mut self) -> Result<()> {
         self.check_side()?;
         self.pump()?;
-        for p in 0..self.n {
+        for i in 0..self.up.len() {
+            let p = self.up[i];
             if self.conns[p].as_ref().is_some_and(|c| c.closed) {
                 return Err(self.fail(p, "its data connection closed".into()));
             }
@@ -338,7 +348,10 @@ impl Link for TcpTransport {
 
     fn begin(&mut self) {
         self.pacer.begin();
-        for c in self.conns.iter_mut().flatten() {
+        for &p in &self.up {
+            let Some(c) = self.conns[p].as_mut() else {
+                continue;
+            };
             if c.direct == Direct::Armed {
                 c.direct = Direct::Off;
             }
@@ -347,7 +360,7 @@ impl Link for TcpTransport {
 
     fn unsent(&mut self) -> Result<Option<usize>> {
         // What is queued goes out in `progress`, the caller's wait.
-        Ok((0..self.n).find(|&p| self.conns[p].as_ref().is_some_and(|c| !c.out.is_empty())))
+        Ok(self.queued())
     }
 
     fn finish(&mut self) -> Result<()> {
@@ -377,9 +390,18 @@ impl crate::transport::Transport for TcpTransport {
     fn note_progress(&mut self) {
         TcpTransport::note_progress(self)
     }
+    fn keep(&mut self, members: &[usize], epoch: u32, until: Instant) -> crate::transport::Kept {
+        crate::transport::Kept {
+            tcp: TcpTransport::keep(self, members, epoch, until),
+        }
+    }
     fn holds(&self) -> crate::transport::Holdings {
         crate::transport::Holdings {
-            connections: self.conns.iter().flatten().count(),
+            connections: self.up.len(),
+            buffered: (self.up.iter())
+                .filter_map(|&p| self.conns[p].as_ref())
+                .map(|c| c.inp.capacity() + c.out.buf.capacity())
+                .sum(),
             ..Default::default()
         }
     }

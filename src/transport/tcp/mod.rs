@@ -12,8 +12,11 @@
 //! header left them misaligned: 15-25% slower from 512 KiB, see `HDR`).
 
 mod frame;
+mod keep;
 mod link;
 mod setup;
+
+pub(crate) use keep::KeptConn;
 
 use crate::bootstrap::rendezvous::{Card, Rendezvous};
 use crate::bootstrap::{check_tags, Reader, TAG_TCP};
@@ -80,9 +83,11 @@ impl Conn {
 /// The TCP transport of one rank.
 pub struct TcpTransport {
     conns: Vec<Option<Conn>>,
+    /// The peers whose connection is up, in the order they came: what the pump, waits and
+    /// health walk, so that their cost grows with the peers connected, not the world.
+    up: Vec<usize>,
     /// The side channel and the first failure.
     watch: Watch,
-    n: usize,
     max_chunk: usize,
     /// How long to spin before blocking in poll(2).
     timeout: Duration,
@@ -134,7 +139,10 @@ impl TcpTransport {
                 Event::Up(p, s) => {
                     let c = Conn::new(s, self.max_chunk);
                     match c {
-                        Ok(c) => self.conns[p] = Some(c),
+                        Ok(c) => {
+                            self.conns[p] = Some(c);
+                            self.up.push(p);
+                        }
                         Err(e) => return Err(self.fail(p, format!("its data connection: {e}"))),
                     }
                 }

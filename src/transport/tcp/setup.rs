@@ -8,8 +8,14 @@ impl TcpTransport {
     /// channel: the bootstrap, or a parent communicator for `split`), and, with
     /// `RDMACOMM_CONNECT=eager`, connects to every rank (rank j dials every rank i < j); else
     /// each connection is made at its first use. Every rank of `cfg.world_size` must call this.
-    pub fn connect_with(
+    ///
+    /// It starts with the drained connections `kept` (by rank of this group) that a
+    /// communicator before held ([`TcpTransport::keep`]): each rank's card lists the ranks it
+    /// kept one to, and a connection is used where both ends kept it (else closed, and dialed
+    /// again when first needed).
+    pub(crate) fn connect_keeping(
         cfg: &Config,
+        kept: Vec<(usize, KeptConn)>,
         meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
@@ -19,6 +25,18 @@ impl TcpTransport {
         common.extend_from_slice(&TAG_TCP.to_le_bytes());
         common.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
         dial::put_reach(&mut common, cfg, &text);
+        let n_kept = kept
+            .iter()
+            .filter(|(p, _)| *p < n && *p != cfg.rank)
+            .count();
+        common.extend_from_slice(&(n_kept as u32).to_le_bytes());
+        let mut held: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
+        for (p, KeptConn(c)) in kept {
+            if p < n && p != cfg.rank {
+                common.extend_from_slice(&(p as u32).to_le_bytes());
+                held[p] = Some(c);
+            }
+        }
         let card = Card {
             common,
             entry: 0,
@@ -48,20 +66,31 @@ impl TcpTransport {
                     )));
                 }
                 addrs_data.push(dial::read_reach(&mut r, p, cfg)?);
+                // A connection is kept where both ends kept it.
+                let k = r.u32()? as usize;
+                let mut keeps_me = false;
+                for _ in 0..k.min(n) {
+                    keeps_me |= r.u32()? as usize == cfg.rank;
+                }
+                if !keeps_me {
+                    held[p] = None;
+                }
             }
             let mut dialer = Dialer::new(cfg.rank, listener, addrs_data, rv.session)?;
+            for p in (0..n).filter(|&p| held[p].is_some()) {
+                dialer.connected(p);
+            }
             let mut socks: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
             if cfg.connect == Connect::Eager {
                 // Every rank dials the ranks below it (no two dial each other).
                 let deadline = Instant::now() + cfg.timeout;
                 let mut events = Vec::new();
-                while socks
-                    .iter()
-                    .enumerate()
-                    .any(|(p, s)| s.is_none() && p != cfg.rank)
-                {
+                let wanted = |socks: &[Option<TcpStream>], p: usize| {
+                    socks[p].is_none() && held[p].is_none() && p != cfg.rank
+                };
+                while (0..n).any(|p| wanted(&socks, p)) {
                     // Again after a dial shed unanswered (a no-op while one is under way).
-                    for p in (0..cfg.rank).filter(|&p| socks[p].is_none()) {
+                    for p in (0..cfg.rank).filter(|&p| wanted(&socks, p)) {
                         dialer.dial(p).map_err(failed)?;
                     }
                     let moved = dialer.step(&mut events)?;
@@ -75,7 +104,7 @@ impl TcpTransport {
                         continue;
                     }
                     if Instant::now() >= deadline {
-                        let missing = (0..n).find(|&p| socks[p].is_none() && p != cfg.rank);
+                        let missing = (0..n).find(|&p| wanted(&socks, p));
                         return Err(Error::Timeout {
                             peer: peer(missing.unwrap_or(0)),
                             what: "data connection".into(),
@@ -102,13 +131,17 @@ impl TcpTransport {
             Poll::Auto => Duration::from_micros(50),
         };
         let mut conns = Vec::with_capacity(n);
-        for s in socks {
-            conns.push(s.map(|s| Conn::new(s, chunk)).transpose()?);
+        for (s, h) in socks.into_iter().zip(held) {
+            conns.push(match h {
+                Some(c) => Some(c),
+                None => s.map(|s| Conn::new(s, chunk)).transpose()?,
+            });
         }
+        let up = (0..n).filter(|&p| conns[p].is_some()).collect();
         Ok(TcpTransport {
             conns,
+            up,
             watch: Watch::new(side, cfg.rank, rv.addrs),
-            n,
             max_chunk: chunk,
             pacer: Pacer::new(cfg.timeout, spin_for, YIELD_FOR.max(spin_for)),
             timeout: cfg.timeout,
@@ -128,9 +161,7 @@ impl TcpTransport {
     /// Writes everything queued (bounded by the timeout).
     pub fn flush(&mut self) -> Result<()> {
         self.begin();
-        while let Some(p) =
-            (0..self.n).find(|&p| self.conns[p].as_ref().is_some_and(|c| !c.out.is_empty()))
-        {
+        while let Some(p) = self.queued() {
             self.progress(p)?;
         }
         Ok(())
