@@ -20,8 +20,8 @@ impl Comm {
 
     /// Splits into subgroups (MPI_Comm_split / MLX's split), collectively over every rank of
     /// this communicator: ranks with the same `color` form one, ordered by `key` (ties by rank
-    /// here). A negative color means "in no subgroup": that rank gets a world of one. Queue pair
-    /// endpoints are exchanged over this communicator; each subgroup gets its own side channel
+    /// here). A negative color means "in no subgroup": that rank gets a world of one. The ranks'
+    /// cards are exchanged over this communicator; each subgroup gets its own side channel
     /// (for abort and health) at its first rank, whose address also goes over this
     /// communicator. The result is independent of this one: either can be used or dropped first.
     pub fn split_comm(&self, color: i32, key: i32) -> Result<Comm> {
