@@ -122,6 +122,15 @@ pub enum Error {
         /// The reason it gave.
         reason: String,
     },
+    /// A shrink went on without this rank (it was stopped, cut off or late): `by` said so, for
+    /// the group that went on.
+    #[error("left out of the shrink, as rank {by} said: {reason}")]
+    LeftOut {
+        /// The rank whose answer said so (the coordinator, or a member's retired port).
+        by: Peer,
+        /// The group that went on, in words.
+        reason: String,
+    },
     /// The communicator failed earlier and refuses further work.
     #[error("communicator is unusable after an earlier failure: {0}")]
     Poisoned(String),
@@ -187,7 +196,8 @@ impl Error {
             Error::PeerFailed { peer, .. }
             | Error::Timeout { peer, .. }
             | Error::Mismatch { peer, .. }
-            | Error::Aborted { by: peer, .. } => Some(peer),
+            | Error::Aborted { by: peer, .. }
+            | Error::LeftOut { by: peer, .. } => Some(peer),
             _ => None,
         }
     }

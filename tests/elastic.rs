@@ -8,8 +8,15 @@ use common::*;
 use rdmacomm::{AllReduce, Comm, Communicator, DType};
 use std::time::{Duration, Instant};
 
-/// RDMACOMM_TIMEOUT for these tests: a silent rank costs this, a dead one nothing.
-const TIMEOUT_S: &str = "4";
+/// RDMACOMM_TIMEOUT for these tests (seconds): a silent rank costs this, a dead one nothing.
+/// Longer in the VM, whose emulated CPUs can hold a busy rank off a wait for seconds.
+fn timeout_s() -> u64 {
+    if require_rdma() {
+        10
+    } else {
+        4
+    }
+}
 /// Elements of each step's all_reduce (big enough that a kill lands inside it).
 const ELEMS: usize = 1 << 16;
 
@@ -184,7 +191,7 @@ fn shrink_body() {
             } else {
                 how.as_str()
             };
-            strike(how, 5);
+            strike(how, timeout_s() + 1);
             // The signal lands 2 ms on, inside this step or while this rank waits here after it
             // (a short step would otherwise finish the run first): never past the next one.
             let r = step(&c, &op, s, &old);
@@ -205,7 +212,10 @@ fn shrink_body() {
                 let (next, agreed) = match c.shrink(last_done) {
                     Ok(x) => x,
                     Err(e) => {
-                        println!("SHRINK REFUSED: {e}");
+                        println!(
+                            "SHRINK REFUSED: {e} (named: {:?})",
+                            e.peer().map(|p| p.rank)
+                        );
                         std::process::exit(4);
                     }
                 };
@@ -245,9 +255,9 @@ fn shrink_body() {
     }
     println!("DONE world {:?}", old);
     if how == "stop" {
-        // Alive while the stopped rank wakes (the helper wakes it 5 s after it stopped, once the
-        // others named it at the 4 s timeout and shrank) and is told it was left out.
-        std::thread::sleep(Duration::from_secs(5));
+        // Alive while the stopped rank wakes (the helper wakes it a second past the timeout
+        // after it stopped, once the others named it and shrank) and is told it was left out.
+        std::thread::sleep(Duration::from_secs(timeout_s() + 1));
     }
 }
 
@@ -293,7 +303,7 @@ fn run(name: &str, k: Case) -> Vec<RankResult> {
         Placement::Local,
         &|r| {
             let mut v = vec![
-                ("RDMACOMM_TIMEOUT".to_string(), TIMEOUT_S.to_string()),
+                ("RDMACOMM_TIMEOUT".to_string(), timeout_s().to_string()),
                 ("SHRINK_OP".into(), k.op.into()),
                 ("SHRINK_VICTIMS".into(), k.victims.into()),
                 ("SHRINK_LATER".into(), k.later.into()),
@@ -500,7 +510,12 @@ fn a_stopped_rank_is_left_out_and_refused_when_it_wakes() {
     // Woken after the others shrank: its operation fails and its shrink is refused, named.
     let x = &r[2];
     assert_eq!(x.code, Some(4), "{}", x.output);
-    assert!(x.output.contains("SHRINK REFUSED"), "{}", x.output);
+    // The error names the rank that told it so.
+    assert!(
+        x.output.contains("SHRINK REFUSED") && x.output.contains("(named: Some("),
+        "{}",
+        x.output
+    );
 }
 
 #[test]
@@ -523,7 +538,9 @@ fn a_stopped_rank_0_is_left_out_not_alone_when_it_wakes() {
     let x = &r[0];
     assert_eq!(x.code, Some(4), "{}", x.output);
     assert!(
-        x.output.contains("SHRINK REFUSED") && x.output.contains("left out"),
+        x.output.contains("SHRINK REFUSED")
+            && x.output.contains("left out")
+            && x.output.contains("(named: Some("),
         "{}",
         x.output
     );
@@ -609,7 +626,7 @@ fn a_subgroup_that_lost_a_member_shrinks_too() {
         NAME,
         4,
         Placement::Local,
-        &|_| vec![("RDMACOMM_TIMEOUT".to_string(), TIMEOUT_S.to_string())],
+        &|_| vec![("RDMACOMM_TIMEOUT".to_string(), timeout_s().to_string())],
         Duration::from_secs(60),
     );
     for x in r.iter().filter(|x| x.rank != 3) {

@@ -286,8 +286,9 @@ impl Roster {
 pub(super) struct Survey {
     /// A coordinator some asked rank follows (or is), if any.
     pub(super) following: Option<usize>,
-    /// Why a group of this epoch went on without this rank, if one did (a retired port said).
-    pub(super) left_out: Option<String>,
+    /// Why a group of this epoch went on without this rank, if one did, and the rank whose
+    /// retired port said so.
+    pub(super) left_out: Option<(usize, String)>,
     /// Ranks whose port refused the connection: nobody listens there any more.
     pub(super) gone: Vec<usize>,
 }
@@ -367,7 +368,7 @@ fn survey_some(who: &Roster, epoch: u32, others: &[usize]) -> Survey {
             match h.ok().and_then(|h| h.join().ok()) {
                 Some(Answer::Gone) => out.gone.push(q),
                 Some(Answer::WentOn(why)) => {
-                    out.left_out.get_or_insert(why);
+                    out.left_out.get_or_insert((q, why));
                 }
                 Some(Answer::Following(c)) => {
                     out.following.get_or_insert(c);

@@ -95,19 +95,6 @@ fn out_of_descriptors(e: &std::io::Error) -> bool {
     ) || e.kind() == ErrorKind::ConnectionAborted
 }
 
-/// Whether the other end of `s` has closed it (a restarted rank's old connection).
-fn closed(s: &TcpStream) -> bool {
-    let mut b = [0u8; 1];
-    let _ = s.set_nonblocking(true);
-    let dead = match s.peek(&mut b) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => e.kind() != ErrorKind::WouldBlock,
-    };
-    let _ = s.set_nonblocking(false);
-    dead
-}
-
 /// Why rank 0 meets the group only to refuse it.
 #[derive(Clone, Copy)]
 pub(crate) enum Stop<'a> {
@@ -184,7 +171,7 @@ pub(super) fn coordinate(
             // A rank whose connection died while it waited (it may be restarted) is not in.
             let mut dead = false;
             for (r, slot) in joined.iter_mut().enumerate() {
-                if slot.as_ref().is_some_and(|j| closed(&j.sock)) {
+                if slot.as_ref().is_some_and(|j| peer_closed(&j.sock)) {
                     log::warn!(
                         "rank {r} left the rendezvous before the group formed; waiting for it to \
                          join again"
@@ -536,7 +523,7 @@ fn admit(
     };
     let rank = h.rank;
     if let Some(old) = joined.get(rank).and_then(|j| j.as_ref()) {
-        if adm.of_this_job(&h, authentic) && closed(&old.sock) {
+        if adm.of_this_job(&h, authentic) && peer_closed(&old.sock) {
             // A restarted rank: its first connection is dead, the new one takes its place.
             log::warn!("rank {rank} joined again from {addr}; its first connection was closed");
             joined[rank] = None;

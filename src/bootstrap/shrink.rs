@@ -13,7 +13,7 @@
 use super::control::*;
 use super::outcome::Control;
 use super::retired::{Answerer, Reply};
-use super::wire::{listen, put_bytes, recv_frame, send_frame, Reader};
+use super::wire::{listen, peer_closed, put_bytes, recv_frame, send_frame, Reader};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::io::ErrorKind;
@@ -80,6 +80,8 @@ pub(crate) fn agree(
         .filter(|&q| q != ctl.rank)
         .collect();
     let mut silent: Vec<String> = Vec::new();
+    let mut waited_on: Option<usize> = None;
+    let bound = deadline.saturating_duration_since(Instant::now());
     // A coordinator another rank follows, to ask before the lowest this one does not suspect.
     let mut told: Option<usize> = None;
     for _ in 0..4 * n + 4 {
@@ -112,17 +114,34 @@ pub(crate) fn agree(
                     ctl.rank
                 );
                 silent.push(format!("rank {c} ({}): {why}", ctl.addrs[c]));
+                waited_on.get_or_insert(c);
                 suspects.push(c);
             }
             Err(Asked::Follows(d)) => told = Some(d),
             Err(Asked::Refused(e)) => return Err(e),
         }
     }
-    Err(Error::Bootstrap(format!(
-        "rank {}: the shrink found no coordinator within its bound: {}",
+    let what = format!(
+        "a shrink coordinator, seen from rank {}: {}",
         ctl.rank,
         silent.join("; ")
-    )))
+    );
+    Err(match waited_on {
+        Some(c) => Error::Timeout {
+            peer: peer_of(ctl, c),
+            what,
+            after: bound,
+        },
+        None => Error::Bootstrap(format!("no coordinator within the shrink's bound ({what})")),
+    })
+}
+
+/// Rank `q` of `ctl`'s group, for errors.
+fn peer_of(ctl: &Control, q: usize) -> crate::error::Peer {
+    crate::error::Peer {
+        rank: q,
+        addr: ctl.addrs.get(q).cloned().unwrap_or_default(),
+    }
 }
 
 /// What a coordinator's collecting came to.
@@ -195,11 +214,14 @@ fn ask(
                     return Err(Asked::Silent("a malformed or forged decision".into()));
                 };
                 if !d.members.contains(&ctl.rank) {
-                    return Err(Asked::Refused(Error::Bootstrap(format!(
-                        "rank {}: the shrink coordinated by rank {c} went on without this rank \
-                         (members {:?})",
-                        ctl.rank, d.members
-                    ))));
+                    return Err(Asked::Refused(Error::LeftOut {
+                        by: peer_of(ctl, c),
+                        reason: format!(
+                            "rank {}: the shrink it coordinated went on without this rank \
+                             (members {:?})",
+                            ctl.rank, d.members
+                        ),
+                    }));
                 }
                 send_frame(&s, ACK, &seal(key, ACK, epoch, &round.to_le_bytes()))
                     .map_err(|e| Asked::Silent(format!("acknowledging: {e}")))?;
@@ -229,10 +251,10 @@ fn ask(
                 let why = open(key, DROPPED, epoch, &m)
                     .map(|b| String::from_utf8_lossy(b).into_owned())
                     .ok_or_else(|| Asked::Silent("a forged refusal".into()))?;
-                return Err(Asked::Refused(Error::Bootstrap(format!(
-                    "rank {} was left out of the shrink: {why}",
-                    ctl.rank
-                ))));
+                return Err(Asked::Refused(Error::LeftOut {
+                    by: peer_of(ctl, c),
+                    reason: format!("rank {}: {why}", ctl.rank),
+                }));
             }
             _ => return Err(Asked::Silent(format!("a frame of kind {kind}"))),
         }
@@ -243,15 +265,6 @@ fn ask(
 struct Member {
     sock: TcpStream,
     value: u64,
-}
-
-/// Whether the peer closed `s` (non-blocking).
-fn closed(s: &TcpStream) -> bool {
-    let mut b = [0u8; 1];
-    match s.peek(&mut b) {
-        Ok(k) => k == 0,
-        Err(e) => e.kind() != ErrorKind::WouldBlock,
-    }
 }
 
 /// The coordinator's side: takes SHRINKs for `timeout` at most (less once every rank nobody
@@ -275,8 +288,13 @@ fn coordinate(
     let mut door = Door::default();
     let start = Instant::now();
     let until = start + timeout;
-    let left_out_by =
-        |why: String| Error::Bootstrap(format!("rank {me} was left out of the shrink: {why}"));
+    let left_out_by = |(q, why): (usize, String)| Error::LeftOut {
+        by: crate::error::Peer {
+            rank: q,
+            addr: ctl.addrs[q].clone(),
+        },
+        reason: format!("rank {me}: {why}"),
+    };
     // The ports of ranks not heard from are asked in the background, 50 ms after the last: a
     // refusal means nobody is there (a rank killed that nobody named), a retired port that the
     // group went on without this rank (it was stopped, or late).
@@ -300,8 +318,8 @@ fn coordinate(
         if let Some(h) = probe.take_if(|h| h.is_finished()) {
             asked = Instant::now();
             let found = h.join().unwrap_or_default();
-            if let Some(why) = found.left_out {
-                return Err(left_out_by(why));
+            if let Some(x) = found.left_out {
+                return Err(left_out_by(x));
             }
             // Nobody asked this rank, and others follow another coordinator: join them.
             if let Some(c) = found.following.filter(|&c| c != me && heard.is_empty()) {
@@ -339,7 +357,7 @@ fn coordinate(
         }
         // A member whose connection closed is no longer heard: it died, or it gave up on this
         // rank and asked another (it is not taken for dead: the survey tells which).
-        heard.retain(|_, m| !closed(&m.sock));
+        heard.retain(|_, m| !peer_closed(&m.sock));
         if !busy {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -355,8 +373,8 @@ fn coordinate(
         .filter(|&q| q != me && !heard.contains_key(&q))
         .collect();
     let found = survey(&Roster::of(ctl), epoch, &missing);
-    if let Some(why) = found.left_out {
-        return Err(left_out_by(why));
+    if let Some(x) = found.left_out {
+        return Err(left_out_by(x));
     }
     // Alone, with ranks whose ports still listen: they may be meeting as a group that has not
     // retired its ports yet (milliseconds). Asked once more, a second later.
@@ -367,8 +385,8 @@ fn coordinate(
         .collect();
     if heard.is_empty() && !listening.is_empty() {
         std::thread::sleep(Duration::from_secs(1));
-        if let Some(why) = survey(&Roster::of(ctl), epoch, &listening).left_out {
-            return Err(left_out_by(why));
+        if let Some(x) = survey(&Roster::of(ctl), epoch, &listening).left_out {
+            return Err(left_out_by(x));
         }
     }
     if !silent.is_empty() {

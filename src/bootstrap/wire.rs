@@ -109,6 +109,17 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Whether the other end of `s` has closed it (or it failed): a peek that neither blocks nor
+/// changes the socket's mode (a restarted rank's old connection, a member gone from a shrink).
+pub(crate) fn peer_closed(s: &TcpStream) -> bool {
+    let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    let flags = libc::MSG_PEEK | libc::MSG_DONTWAIT;
+    match socket2::SockRef::from(s).recv_with_flags(&mut b, flags) {
+        Ok(k) => k == 0,
+        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+    }
+}
+
 pub(crate) fn send_frame(mut s: &TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
     let mut f = Vec::with_capacity(body.len() + 5);
     f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
