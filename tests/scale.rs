@@ -168,26 +168,15 @@ fn checked_at_scale() {
                 .lines()
                 .find(|l| l.contains(" closes; it holds "))
                 .expect("closes");
-            let after = |what: &str| -> f64 {
-                let at = line
-                    .find(what)
-                    .unwrap_or_else(|| panic!("{what} in {line}"));
-                line[..at]
-                    .split_whitespace()
-                    .last()
-                    .unwrap()
-                    .parse()
-                    .unwrap()
-            };
             [
                 joined,
                 held(line, " connections"),
                 held(line, " MiB in connection buffers"),
                 held(line, " MiB shared"),
                 held(line, " MiB pinned"),
-                after(" kB resident"),
-                after(" threads"),
-                after(" descriptors"),
+                held(line, " kB resident"),
+                held(line, " threads"),
+                held(line, " descriptors"),
             ]
         })
         .collect();

@@ -94,19 +94,10 @@ impl TcpTransport {
 /// frame, then the fence), reads and drops frames up to the peer's fence for `epoch` (an older
 /// generation's fence is dropped too). Whether anything moved. A failure marks it closed.
 fn drain_step(c: &mut Conn, d: &mut Drain, epoch: u32, max: usize) -> bool {
-    let mut moved = false;
-    while !c.out.is_empty() && !c.closed {
-        match c.sock.write(&c.out.buf[c.out.head..]) {
-            Ok(0) => break,
-            Ok(k) => {
-                c.out.advance(k);
-                moved = true;
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(_) => c.closed = true,
-        }
-    }
+    let mut moved = c.write_queued().unwrap_or_else(|_| {
+        c.closed = true;
+        false
+    });
     while !d.fenced && !c.closed {
         // Drop what is buffered up to the fence; only then read more (what follows the fence
         // belongs to the next generation and stays in the buffer).
@@ -129,18 +120,9 @@ fn drain_step(c: &mut Conn, d: &mut Drain, epoch: u32, max: usize) -> bool {
             moved = true;
             continue;
         }
-        let room = c.inp.room(HDR + max);
-        if room.is_empty() {
-            break;
-        }
-        match c.sock.read(room) {
-            Ok(0) => c.closed = true,
-            Ok(k) => {
-                c.inp.end += k;
-                moved = true;
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+        match c.read_some(HDR + max) {
+            Ok(true) => moved = true,
+            Ok(false) => break,
             Err(_) => c.closed = true,
         }
     }

@@ -19,40 +19,17 @@ impl TcpTransport {
         let Some(c) = self.conns[p].as_mut() else {
             return Ok(false);
         };
-        let mut moved = false;
         let mut err = None;
-        while !c.out.is_empty() {
-            match c.sock.write(&c.out.buf[c.out.head..]) {
-                Ok(0) => break,
-                Ok(k) => {
-                    c.out.advance(k);
-                    moved = true;
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    err = Some(format!("TCP send failed: {e}"));
-                    break;
-                }
+        let mut moved = match c.write_queued() {
+            Ok(m) => m,
+            Err(e) => {
+                err = Some(format!("TCP send failed: {e}"));
+                false
             }
-        }
-        while err.is_none() && !c.closed && c.direct == Direct::Off {
-            let room = c.inp.room(want);
-            let space = room.len();
-            if space == 0 {
-                break;
-            }
-            match c.sock.read(room) {
-                Ok(0) => c.closed = true,
-                Ok(k) => {
-                    c.inp.end += k;
-                    moved = true;
-                    if k < space {
-                        break; // drained: skip the read that would say EAGAIN
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+        };
+        if err.is_none() && c.direct == Direct::Off {
+            match c.read_some(want) {
+                Ok(m) => moved |= m,
                 Err(e) => err = Some(format!("TCP receive failed: {e}")),
             }
         }

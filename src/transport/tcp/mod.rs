@@ -65,6 +65,51 @@ struct Conn {
 }
 
 impl Conn {
+    /// Writes what is queued as far as the socket takes it now: whether a byte went.
+    fn write_queued(&mut self) -> std::io::Result<bool> {
+        let mut moved = false;
+        while !self.out.is_empty() {
+            match self.sock.write(&self.out.buf[self.out.head..]) {
+                Ok(0) => break,
+                Ok(k) => {
+                    self.out.advance(k);
+                    moved = true;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Reads into the receive buffer (room for `want` bytes made first) while the socket has
+    /// bytes and the buffer has room: whether a byte came. The peer's close marks it closed.
+    fn read_some(&mut self, want: usize) -> std::io::Result<bool> {
+        let mut moved = false;
+        while !self.closed {
+            let room = self.inp.room(want);
+            let space = room.len();
+            if space == 0 {
+                break;
+            }
+            match self.sock.read(room) {
+                Ok(0) => self.closed = true,
+                Ok(k) => {
+                    self.inp.end += k;
+                    moved = true;
+                    if k < space {
+                        break; // drained: skip the read that would say EAGAIN
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(moved)
+    }
+
     /// A connection over `sock` (proven, not yet tuned) for chunks of up to `chunk` bytes.
     fn new(sock: TcpStream, chunk: usize) -> Result<Conn> {
         tune(&sock)?;
