@@ -465,7 +465,8 @@ fn survivors_carry_their_tcp_connections_over() {
     if !parent_ready(NAME, shrink_body) {
         return;
     }
-    if require_rdma() || net() != Net::Env {
+    let tcp = std::env::var("RDMACOMM_TRANSPORT").map_or(true, |t| t == "tcp");
+    if require_rdma() || net() != Net::Env || !tcp {
         println!("SKIPPED: TCP connections, on the host");
         return;
     }
