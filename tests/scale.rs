@@ -431,10 +431,13 @@ fn a_rank_waiting_on_one_peer_answers_another_peers_dial() {
         return;
     }
     let transport = if require_rdma() { "rdma" } else { "tcp" };
+    // The bug this catches hangs until the timeout: a longer one costs a passing run nothing,
+    // and in the VM registering each queue pair's slots can hold a rank off for seconds.
+    let timeout = if require_rdma() { "30" } else { "5" };
     let env = |_| {
         vec![
             ("RDMACOMM_TRANSPORT".to_string(), transport.to_string()),
-            ("RDMACOMM_TIMEOUT".to_string(), "5".to_string()),
+            ("RDMACOMM_TIMEOUT".to_string(), timeout.to_string()),
         ]
     };
     let outs = spawn(NAME, 3, Placement::Local, &env, Duration::from_secs(60));
