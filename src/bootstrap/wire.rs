@@ -44,8 +44,9 @@ pub(crate) const MAGIC: u32 = 0x5244_4d43; // "RDMC"
 /// rank's ROUTE from rank 0, a listener's port in the HELLO; 9: descriptors carry the calling
 /// communicator's number (shared views), their byte count in 48 bits; 10: every rank's control
 /// port in the table (a shrink's messages); 11: a TCP card lists the ranks whose connection it
-/// carries over from the generation before.
-pub(crate) const VERSION: u16 = 11;
+/// carries over from the generation before; 12: an RDMA card lists the ranks whose queue pair it
+/// carries over.
+pub(crate) const VERSION: u16 = 12;
 // Every frame kind of the bootstrap's connection, rendezvous and side channel alike (one
 // connection becomes the other): each number once (`every_kind_is_its_own`).
 pub(crate) const HELLO: u8 = 1;

@@ -43,7 +43,7 @@ pub(crate) fn connect_with(
     if !cfg.shm_for_peers() {
         // The network transport's own card, as a peer without shared memory expects it.
         return Ok(if rdma {
-            Box::new(rdma::RdmaTransport::connect_with(cfg, meet)?)
+            Box::new(rdma::RdmaTransport::connect_keeping(cfg, kept.rdma, meet)?)
         } else {
             Box::new(tcp::TcpTransport::connect_keeping(cfg, kept.tcp, meet)?)
         });
@@ -80,7 +80,11 @@ pub(crate) fn connect_with(
         Ok(rv)
     };
     let mut net: Box<dyn Transport> = if rdma {
-        Box::new(rdma::RdmaTransport::connect_with(cfg, &mut wrapped)?)
+        Box::new(rdma::RdmaTransport::connect_keeping(
+            cfg,
+            kept.rdma,
+            &mut wrapped,
+        )?)
     } else {
         Box::new(tcp::TcpTransport::connect_keeping(
             cfg,

@@ -288,12 +288,14 @@ pub trait Transport: Link + Send {
 pub(crate) struct Kept {
     /// TCP data connections, drained.
     pub(crate) tcp: Vec<(usize, tcp::KeptConn)>,
+    /// RDMA queue pairs, drained, with their completion queue.
+    pub(crate) rdma: Option<rdma::KeptQps>,
 }
 
 impl Kept {
     /// How many connections it holds.
     pub(crate) fn len(&self) -> usize {
-        self.tcp.len()
+        self.tcp.len() + self.rdma.as_ref().map_or(0, rdma::KeptQps::len)
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Completion {
     pub byte_len: u32,
     /// The immediate (host order; senders post it big-endian).
     pub imm: u32,
+    /// The queue pair it completed on (valid for failed completions too).
+    pub qp_num: u32,
 }
 
 /// A completion queue polled in batches into a preallocated array (the basic CQ: extended CQs
@@ -200,6 +202,7 @@ impl CompletionQueue {
                 byte_len: wc.byte_len,
                 // SAFETY: a union of two u32s; reading either is defined.
                 imm: u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }),
+                qp_num: wc.qp_num,
             });
         }
         Ok(n as usize)

@@ -66,17 +66,48 @@ impl RdmaTransport {
 
     /// Polls the CQ once; returns whether anything completed.
     pub(super) fn poll(&mut self) -> Result<bool> {
-        let mut events: [(u64, u32, u32, u32); 64] = [(0, 0, 0, 0); 64];
+        let mut first = None;
+        let moved = self.reap(&mut |p, why| {
+            first.get_or_insert((p, why));
+        })?;
+        match first {
+            Some((p, why)) => Err(self.fail(p, why)),
+            None => Ok(moved),
+        }
+    }
+
+    /// The peer whose queue pair `qpn` is, for a completion whose work request named `p`: a
+    /// queue pair carried over from a generation before still holds receives naming the peer's
+    /// old rank. None for a queue pair that is no longer ours.
+    fn route(&self, p: usize, qpn: u32) -> Option<usize> {
+        let ours = |q: usize| {
+            self.peers
+                .get(q)
+                .and_then(Option::as_ref)
+                .is_some_and(|s| s.qpn == qpn)
+        };
+        if ours(p) {
+            return Some(p);
+        }
+        self.up.iter().copied().find(|&q| ours(q))
+    }
+
+    /// Polls the CQ once and applies what completed; a failed work request or a chunk that
+    /// breaks the protocol goes to `fault` with the rank to blame. Whether anything completed.
+    pub(super) fn reap(&mut self, fault: &mut dyn FnMut(usize, String)) -> Result<bool> {
+        let mut events: [(u64, u32, u32, u32, u32); 64] = [(0, 0, 0, 0, 0); 64];
         let mut m = 0;
         self.cq.poll(|c| {
             if m < events.len() {
-                events[m] = (c.wr_id, c.status, c.byte_len, c.imm);
+                events[m] = (c.wr_id, c.status, c.byte_len, c.imm, c.qp_num);
                 m += 1;
             }
         })?;
-        for &(id, status, len, imm) in &events[..m] {
+        for &(id, status, len, imm, qpn) in &events[..m] {
             let kind = id >> 62;
-            let p = ((id >> 48) & 0x3fff) as usize;
+            let Some(p) = self.route(((id >> 48) & 0x3fff) as usize, qpn) else {
+                continue; // a queue pair ended with a generation before
+            };
             let index = id & 0xffff_ffff_ffff;
             if status != 0 {
                 let what = match kind {
@@ -96,9 +127,11 @@ impl RdmaTransport {
                         self.device,
                         if port_down { "DOWN" } else { "in error" }
                     );
-                    return Err(self.fail(self.rank, why));
+                    fault(self.rank, why);
+                } else {
+                    fault(p, why);
                 }
-                return Err(self.fail(p, why));
+                continue;
             }
             let slots = self.layout.slots as u64;
             let st = self.state(p);
@@ -116,7 +149,8 @@ impl RdmaTransport {
                             st.cq_next,
                             st.consumed + slots - 1
                         );
-                        return Err(self.fail(p, e));
+                        fault(p, e);
+                        continue;
                     }
                     // The peer's consumed count of our chunks, from its low 16 bits: it lies
                     // within `slots` below what we sent.
@@ -127,8 +161,7 @@ impl RdmaTransport {
                     st.cq_next = k + 1;
                     if let Err(e) = st.qp.post_recv(wr_id(KIND_RECV, p, k + slots)) {
                         // Our queue pair refused a receive: this rank's failure, told to all.
-                        let why = format!("reposting a receive for rank {p}: {e}");
-                        return Err(self.fail(self.rank, why));
+                        fault(self.rank, format!("reposting a receive for rank {p}: {e}"));
                     }
                 }
                 _ => {

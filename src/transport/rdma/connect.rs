@@ -73,6 +73,7 @@ impl PeerState {
             qp.post_recv(wr_id(KIND_RECV, p, k))?;
         }
         Ok(PeerState {
+            qpn: qp.endpoint().qpn,
             qp,
             remote: Remote::default(),
             ready: false,

@@ -482,6 +482,12 @@ impl crate::transport::Transport for RdmaTransport {
     fn note_progress(&mut self) {
         RdmaTransport::note_progress(self)
     }
+    fn keep(&mut self, members: &[usize], epoch: u32, until: Instant) -> crate::transport::Kept {
+        crate::transport::Kept {
+            tcp: Vec::new(),
+            rdma: RdmaTransport::keep(self, members, epoch, until),
+        }
+    }
     fn holds(&self) -> crate::transport::Holdings {
         crate::transport::Holdings {
             pinned: self

@@ -37,6 +37,7 @@
 
 mod completions;
 mod connect;
+mod keep;
 mod layout;
 mod link;
 mod protocol;
@@ -61,6 +62,7 @@ use crate::verbs::{
 };
 #[cfg(feature = "unstable")]
 pub use connect::{info, INFO, READY};
+pub(crate) use keep::KeptQps;
 use layout::Layout;
 use protocol::FREE_AT_POST;
 use sideway::ibverbs::device_context::{DeviceContext, PortState};
@@ -106,6 +108,8 @@ struct Remote {
 /// One connected peer. Field order is drop order: the QP before the buffer it points into.
 struct PeerState {
     qp: RcQueuePair,
+    /// The queue pair's number (completions are routed by it).
+    qpn: u32,
     remote: Remote,
     /// The peer's READY came: its queue pair takes our writes.
     ready: bool,

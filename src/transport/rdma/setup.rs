@@ -9,42 +9,76 @@ impl RdmaTransport {
     /// for `split`), and, with `RDMACOMM_CONNECT=eager`, connects a queue pair to every rank;
     /// else each is connected, and its memory registered, at its first use. Every rank of
     /// `cfg.world_size` must call this.
-    pub fn connect_with(
+    ///
+    /// It starts with the queue pairs `kept` (by rank of this group) that a communicator before
+    /// drained ([`RdmaTransport::keep`]), on their completion queue: each rank's card lists the
+    /// ranks it kept one to, and a queue pair is used where both ends kept it (else it ends,
+    /// and the pair is connected again when first needed).
+    pub(crate) fn connect_keeping(
         cfg: &Config,
+        kept: Option<KeptQps>,
         meet: &mut dyn FnMut(&Card) -> Result<Rendezvous>,
     ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
         // The process's context for this device where it has one (a dup opens nothing).
         let device = Device::open(&cfg.device)?;
-        let (ctx, sel) = (Arc::clone(device.context()), device.selected().clone());
-        let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
-            op: "allocate protection domain",
-            detail: e.to_string(),
-            source: Some(Box::new(e)),
-        })?;
-        let max_cqe = ctx
-            .query_device()
-            .map(|a| a.max_cqe().max(64) as u32)
-            .unwrap_or(u32::MAX);
         let layout = Layout {
             slots: cfg.slots,
             slot: cfg.slot_bytes,
         };
-        // Room for two peers' completions (a ring's); it grows as peers connect.
-        let each = connect::send_depth(cfg.slots) + cfg.slots as u32;
-        let cq = CompletionQueue::new(&ctx, (2 * each).clamp(64, max_cqe))?;
+        // Kept queue pairs serve only on the same device context and geometry.
+        let kept = kept.filter(|k| {
+            Arc::ptr_eq(&k.ctx, device.context())
+                && (k.layout.slots, k.layout.slot) == (layout.slots, layout.slot)
+        });
+        let (ctx, sel) = (Arc::clone(device.context()), device.selected().clone());
+        let max_cqe = ctx
+            .query_device()
+            .map(|a| a.max_cqe().max(64) as u32)
+            .unwrap_or(u32::MAX);
+        let (pd, cq, mut held, spare) = match kept {
+            Some(k) => {
+                let mut held: Vec<Option<PeerState>> = (0..n).map(|_| None).collect();
+                for (p, st) in k.peers {
+                    if p < n && p != cfg.rank {
+                        held[p] = Some(st);
+                    }
+                }
+                (k.pd, k.cq, held, k.spare)
+            }
+            None => {
+                let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
+                    op: "allocate protection domain",
+                    detail: e.to_string(),
+                    source: Some(Box::new(e)),
+                })?;
+                // Room for two peers' completions (a ring's); it grows as peers connect.
+                let each = connect::send_depth(cfg.slots) + cfg.slots as u32;
+                let cq = CompletionQueue::new(&ctx, (2 * each).clamp(64, max_cqe))?;
+                (pd, cq, (0..n).map(|_| None).collect(), None)
+            }
+        };
         // A limit on locked memory too low for one peer fails here, naming it.
-        let spare = (n > 1)
-            .then(|| connect::register(&pd, layout))
-            .transpose()?;
+        let spare = match spare {
+            Some(b) => Some(b),
+            None => (n > 1)
+                .then(|| connect::register(&pd, layout))
+                .transpose()?,
+        };
         let (listener, text) = dial::listen(cfg)?;
-        // Our card: slot geometry, how we connect, and where we take data connections.
+        // Our card: slot geometry, how we connect, where we take data connections, and the
+        // ranks we kept a queue pair to.
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_RDMA.to_le_bytes());
         common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
         common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
         dial::put_reach(&mut common, cfg, &text);
+        let ranks_kept: Vec<usize> = (0..n).filter(|&p| held[p].is_some()).collect();
+        common.extend_from_slice(&(ranks_kept.len() as u32).to_le_bytes());
+        for &p in &ranks_kept {
+            common.extend_from_slice(&(p as u32).to_le_bytes());
+        }
         let card = Card {
             common,
             entry: 0,
@@ -68,11 +102,25 @@ impl RdmaTransport {
                     )));
                 }
                 addrs.push(dial::read_reach(&mut r, p, cfg)?);
+                // A queue pair is kept where both ends kept it.
+                let k = r.u32()? as usize;
+                let mut keeps_me = false;
+                for _ in 0..k.min(n) {
+                    keeps_me |= r.u32()? as usize == cfg.rank;
+                }
+                if !keeps_me {
+                    held[p] = None;
+                }
             }
             Ok(addrs)
         })();
         let addrs = side.told(addrs)?;
-        let dialer = side.told(Dialer::new(cfg.rank, listener, addrs, rv.session))?;
+        let mut dialer = side.told(Dialer::new(cfg.rank, listener, addrs, rv.session))?;
+        let mut up = Vec::new();
+        for p in (0..n).filter(|&p| held[p].is_some()) {
+            dialer.connected(p);
+            up.push(p);
+        }
         side.barrier()?;
         side.set_async()?;
         // Spin for the first 100 us of idleness (a round trip; not at all with more local ranks
@@ -88,10 +136,10 @@ impl RdmaTransport {
             ..Props::new(cfg.rank, cfg.world_size, layout.slot, Medium::Rdma)
         };
         let mut t = RdmaTransport {
-            peers: (0..n).map(|_| None).collect(),
+            peers: held,
             coming: (0..n).map(|_| None).collect(),
             pending: Vec::new(),
-            up: Vec::new(),
+            up,
             lent: None,
             registered: Vec::new(),
             next_registration: 0,

@@ -377,6 +377,7 @@ impl crate::transport::Transport for TcpTransport {
     fn keep(&mut self, members: &[usize], epoch: u32, until: Instant) -> crate::transport::Kept {
         crate::transport::Kept {
             tcp: TcpTransport::keep(self, members, epoch, until),
+            rdma: None,
         }
     }
     fn holds(&self) -> crate::transport::Holdings {
