@@ -28,7 +28,7 @@ const LIMIT: usize = 1 << 20;
 /// Connections to the control port not yet known to be members, at most (past it the oldest
 /// that has sent nothing is closed), and how long one may take to send its frame (a rank sends
 /// it whole as it connects).
-const MAX_PENDING: usize = 64;
+pub(super) const MAX_PENDING: usize = 64;
 const SILENT_FOR: Duration = Duration::from_secs(2);
 
 /// A message of kind `kind` and `body` at epoch `epoch`, sealed with the session key.

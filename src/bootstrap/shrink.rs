@@ -50,7 +50,9 @@ fn decode_decide(b: &[u8], n: usize) -> Option<(u32, Decision)> {
     let all = r.u64().ok()?;
     let meet = String::from_utf8(r.bytes().ok()?.to_vec()).ok()?;
     let members = get_ranks(&mut r, n)?;
-    (!members.is_empty() && r.0.is_empty()).then_some((
+    // Members in the old order, each once (the new ranks are their places).
+    let ordered = members.windows(2).all(|w| w[0] < w[1]);
+    (!members.is_empty() && ordered && r.0.is_empty()).then_some((
         round,
         Decision {
             members,
@@ -466,6 +468,22 @@ mod tests {
     use super::super::auth::KEY;
     use super::*;
 
+    #[test]
+    fn a_decision_naming_a_rank_twice_or_out_of_order_is_refused() {
+        let d = |members: Vec<usize>| Decision {
+            members,
+            meet: "127.0.0.1:1".into(),
+            least: 3,
+            all: 1,
+            listener: None,
+        };
+        let (round, back) = decode_decide(&encode_decide(2, &d(vec![0, 2, 3])), 4).unwrap();
+        assert_eq!((round, back.members, back.least), (2, vec![0, 2, 3], 3));
+        assert!(decode_decide(&encode_decide(2, &d(vec![0, 2, 2])), 4).is_none());
+        assert!(decode_decide(&encode_decide(2, &d(vec![2, 0])), 4).is_none());
+        assert!(decode_decide(&encode_decide(2, &d(vec![0, 4])), 4).is_none());
+    }
+
     fn group(n: usize) -> Vec<Control> {
         let session = [7u8; KEY];
         let ls: Vec<TcpListener> = (0..n).map(|_| listen("127.0.0.1:0").unwrap()).collect();
@@ -607,6 +625,44 @@ mod tests {
             "{:?}: a member was evicted",
             start.elapsed()
         );
+        drop(idle);
+    }
+
+    #[test]
+    fn a_member_half_way_through_its_ask_outlasts_a_flood_of_idle_strangers() {
+        // Rank 1's SHRINK comes in two parts with a flood of silent strangers between: the door,
+        // full, closes the oldest caller that sent nothing, never one that sent a part.
+        use std::io::Write;
+        let ctls = group(2);
+        ctls[0].listener.set_nonblocking(true).unwrap(); // as a coordinator sets it
+        let at = SocketAddr::new("127.0.0.1".parse().unwrap(), ctls[0].ports[0]);
+        let m = seal(&ctls[1].session, SHRINK, 0, &encode_ask(1, 5, &[]));
+        let mut frame = ((m.len() + 1) as u32).to_le_bytes().to_vec();
+        frame.push(SHRINK);
+        frame.extend_from_slice(&m);
+        let mut member = TcpStream::connect(at).unwrap();
+        member.write_all(&frame[..3]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut door = Door::default();
+        assert!(door.poll(&ctls[0], 0).0.is_empty(), "half an ask");
+        // In batches, the door taking each (a full backlog would hold a connect up).
+        let mut idle = Vec::new();
+        for _ in 0..6 {
+            idle.extend((0..MAX_PENDING / 2).filter_map(|_| TcpStream::connect(at).ok()));
+            std::thread::sleep(Duration::from_millis(10));
+            assert!(door.poll(&ctls[0], 0).0.is_empty());
+        }
+        member.write_all(&frame[3..]).unwrap();
+        let until = Instant::now() + Duration::from_secs(1);
+        let asks = loop {
+            let (asks, _) = door.poll(&ctls[0], 0);
+            if !asks.is_empty() || Instant::now() >= until {
+                break asks;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(asks.len(), 1, "the member's ask was dropped");
+        assert_eq!((asks[0].0, asks[0].1.rank, asks[0].1.value), (SHRINK, 1, 5));
         drop(idle);
     }
 

@@ -67,8 +67,8 @@ impl RdmaTransport {
     /// Polls the CQ once; returns whether anything completed.
     pub(super) fn poll(&mut self) -> Result<bool> {
         let mut first = None;
-        let moved = self.reap(&mut |p, why| {
-            first.get_or_insert((p, why));
+        let moved = self.reap(&mut |blamed, _, why| {
+            first.get_or_insert((blamed, why));
         })?;
         match first {
             Some((p, why)) => Err(self.fail(p, why)),
@@ -93,8 +93,10 @@ impl RdmaTransport {
     }
 
     /// Polls the CQ once and applies what completed; a failed work request or a chunk that
-    /// breaks the protocol goes to `fault` with the rank to blame. Whether anything completed.
-    pub(super) fn reap(&mut self, fault: &mut dyn FnMut(usize, String)) -> Result<bool> {
+    /// breaks the protocol goes to `fault` with the rank to blame (the peer, or this rank for a
+    /// local error), the peer whose queue pair it came from, and why. Whether anything
+    /// completed.
+    pub(super) fn reap(&mut self, fault: &mut dyn FnMut(usize, usize, String)) -> Result<bool> {
         let mut events: [(u64, u32, u32, u32, u32); 64] = [(0, 0, 0, 0, 0); 64];
         let mut m = 0;
         self.cq.poll(|c| {
@@ -105,8 +107,10 @@ impl RdmaTransport {
         })?;
         for &(id, status, len, imm, qpn) in &events[..m] {
             let kind = id >> 62;
+            // A queue pair not among the peers ended (with a generation before, or being
+            // connected: a failed connection is told by its TCP connection instead).
             let Some(p) = self.route(((id >> 48) & 0x3fff) as usize, qpn) else {
-                continue; // a queue pair ended with a generation before
+                continue;
             };
             let index = id & 0xffff_ffff_ffff;
             if status != 0 {
@@ -127,9 +131,9 @@ impl RdmaTransport {
                         self.device,
                         if port_down { "DOWN" } else { "in error" }
                     );
-                    fault(self.rank, why);
+                    fault(self.rank, p, why);
                 } else {
-                    fault(p, why);
+                    fault(p, p, why);
                 }
                 continue;
             }
@@ -149,7 +153,7 @@ impl RdmaTransport {
                             st.cq_next,
                             st.consumed + slots - 1
                         );
-                        fault(p, e);
+                        fault(p, p, e);
                         continue;
                     }
                     // The peer's consumed count of our chunks, from its low 16 bits: it lies
@@ -161,7 +165,11 @@ impl RdmaTransport {
                     st.cq_next = k + 1;
                     if let Err(e) = st.qp.post_recv(wr_id(KIND_RECV, p, k + slots)) {
                         // Our queue pair refused a receive: this rank's failure, told to all.
-                        fault(self.rank, format!("reposting a receive for rank {p}: {e}"));
+                        fault(
+                            self.rank,
+                            p,
+                            format!("reposting a receive for rank {p}: {e}"),
+                        );
                     }
                 }
                 _ => {

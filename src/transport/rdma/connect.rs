@@ -200,7 +200,7 @@ impl RdmaTransport {
     }
 
     /// Moves `p`'s pair as far as it goes now: whether it is done (READY both ways).
-    fn pair_step(&mut self, p: usize) -> Result<bool> {
+    pub(super) fn pair_step(&mut self, p: usize) -> Result<bool> {
         let c = self.coming[p].as_mut().expect("pending");
         while c.sent < c.out.len() {
             match c.sock.write(&c.out[c.sent..]) {

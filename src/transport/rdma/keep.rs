@@ -56,15 +56,28 @@ impl RdmaTransport {
         epoch: u32,
         until: Instant,
     ) -> Option<KeptQps> {
-        // Connections under way end (their peers see them end too), and so does every queue
-        // pair to a rank not in the next generation.
+        let new_rank = |p: usize| members.iter().position(|&q| q == p);
+        // Queue pairs to ranks not in the next generation end now (their completions are then
+        // no longer routed, so a dead peer's failed writes cannot end the drain), as do
+        // connections still dialing or exchanging endpoints. A pair whose queue pair is
+        // connected and whose READY alone is missing is finished first: the peer may count it
+        // up already and fence on it.
         self.dialer.abandon();
+        let mut finishing = Vec::new();
         for p in std::mem::take(&mut self.pending) {
-            self.coming[p] = None;
-            if !self.up.contains(&p) {
+            if new_rank(p).is_some() && self.peers[p].is_some() {
+                finishing.push(p);
+            } else {
+                self.coming[p] = None;
                 self.peers[p] = None;
             }
         }
+        for p in 0..self.peers.len() {
+            if new_rank(p).is_none() {
+                self.peers[p] = None;
+            }
+        }
+        self.up.retain(|&p| new_rank(p).is_some());
         let mut drains: Vec<(usize, usize, Drain)> = members
             .iter()
             .enumerate()
@@ -75,18 +88,38 @@ impl RdmaTransport {
         let spare_cq = CompletionQueue::new(&self._ctx, 64).ok();
         if spare_cq.is_none() || epoch == 0 {
             drains.clear();
+            finishing.clear();
         }
         let slots = self.layout.slots as u64;
         let depth = u64::from(connect::send_depth(self.layout.slots));
         let mut nap = Duration::from_micros(20);
-        while !drains.is_empty() && Instant::now() < until {
+        while !(drains.is_empty() && finishing.is_empty()) && Instant::now() < until {
+            let mut moved = false;
+            let mut i = 0;
+            while i < finishing.len() {
+                let p = finishing[i];
+                match self.pair_step(p) {
+                    Ok(false) => i += 1,
+                    done => {
+                        finishing.swap_remove(i);
+                        moved = true;
+                        match (done, new_rank(p)) {
+                            (Ok(true), Some(new)) => drains.push((new, p, Drain::Fencing)),
+                            _ => {
+                                self.coming[p] = None;
+                                self.peers[p] = None;
+                            }
+                        }
+                    }
+                }
+            }
             let mut broken = Vec::new();
-            let moved = match self.reap(&mut |p, _| broken.push(p)) {
-                Ok(moved) => moved,
+            match self.reap(&mut |_, pair, _| broken.push(pair)) {
+                Ok(m) => moved |= m,
                 Err(_) => break,
-            };
-            if broken.contains(&self.rank) {
-                drains.clear(); // this rank's own device failed: nothing is kept
+            }
+            if !broken.is_empty() && !self.port_active() {
+                drains.clear(); // this rank's port is down: nothing is kept
                 break;
             }
             for (_, old, d) in drains.iter_mut() {
@@ -96,13 +129,14 @@ impl RdmaTransport {
                 let p = *old;
                 match *d {
                     Drain::Fencing => {
-                        let st = self.peers[p].as_mut().expect("up");
-                        if st.wr_posted - st.wr_done + 2 < depth {
-                            *d = match post_fence(p, st, self.layout, epoch) {
+                        *d = match self.peers[p].as_mut() {
+                            None => Drain::Broken,
+                            Some(st) if st.wr_posted - st.wr_done + 2 >= depth => Drain::Fencing,
+                            Some(st) => match post_fence(p, st, self.layout, epoch) {
                                 Ok(()) => Drain::Waiting,
                                 Err(_) => Drain::Broken,
-                            };
-                        }
+                            },
+                        };
                     }
                     Drain::Waiting => {
                         if let Some(sent) = self.fenced(p, epoch) {
@@ -112,9 +146,10 @@ impl RdmaTransport {
                     Drain::Done(_) | Drain::Broken => {}
                 }
             }
-            if drains
-                .iter()
-                .all(|(.., d)| matches!(d, Drain::Done(_) | Drain::Broken))
+            if finishing.is_empty()
+                && drains
+                    .iter()
+                    .all(|(.., d)| matches!(d, Drain::Done(_) | Drain::Broken))
             {
                 break;
             }
@@ -127,10 +162,9 @@ impl RdmaTransport {
         }
         let mut kept = Vec::new();
         for (new, old, d) in drains {
-            let Drain::Done(theirs) = d else {
+            let (Drain::Done(theirs), Some(mut st)) = (d, self.peers[old].take()) else {
                 continue;
             };
-            let mut st = self.peers[old].take().expect("up");
             // What the failed generation left untaken is dropped here, and the peer drops
             // all we sent it: both ends count every chunk of it taken.
             for k in st.consumed..theirs {
@@ -149,6 +183,7 @@ impl RdmaTransport {
         // may be given again).
         self.release_sources();
         self.up.clear();
+        self.coming.iter_mut().for_each(|c| *c = None);
         self.peers.iter_mut().for_each(|s| *s = None);
         while self.cq.poll(|_| {}).is_ok_and(|n| n > 0) {}
         let spare_cq = spare_cq?;
@@ -169,7 +204,7 @@ impl RdmaTransport {
     /// the peer's fence and every chunk it counts landed. `Done` with the peer's count,
     /// `Broken` for a count no peer could send, else None.
     fn fenced(&self, p: usize, epoch: u32) -> Option<Drain> {
-        let st = self.peers[p].as_ref().expect("up");
+        let st = self.peers[p].as_ref()?;
         if st.wr_done < st.wr_posted {
             return None;
         }
