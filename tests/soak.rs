@@ -464,11 +464,23 @@ fn hot_path_body() {
     let (r, n) = rank_size();
     let c = Comm::from_env().unwrap_or_else(|e| panic!("rank {r}: {e}"));
     let mut round = Round::new(r, n);
-    round.run(&c); // warm-up: buffers that grow once (scratch, receive state) grow here
+    // With SOAK_SLOW_RANK set, that rank starts each round late: the others' waits pass the
+    // probe threshold (100 ms) and they tell it (the slow path of a wait, which must not
+    // allocate either).
+    let slow = std::env::var("SOAK_SLOW_RANK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let run = |round: &mut Round| {
+        if slow == Some(r) {
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        round.run(&c);
+    };
+    run(&mut round); // warm-up: buffers that grow once (scratch, receive state) grow here
     const ROUNDS: usize = 10;
     let info = allocation_counter::measure(|| {
         for _ in 0..ROUNDS {
-            round.run(&c);
+            run(&mut round);
         }
     });
     // The last round's results are checked, so the counted calls did their work.
@@ -585,8 +597,25 @@ fn repeated_calls_allocate_nothing_mixed() {
     over(Net::Mixed, repeated_calls_allocate_nothing);
 }
 
+/// Nor does a wait that lasts: waiting on a rank that starts each round 150 ms late, the others
+/// read the side channel and probe it, and it takes their probes.
+#[test]
+fn waits_on_a_late_rank_allocate_nothing() {
+    const NAME: &str = "waits_on_a_late_rank_allocate_nothing";
+    if !parent_ready(NAME, hot_path_body) {
+        return;
+    }
+    spawn_local_ok(
+        NAME,
+        3,
+        &[("SOAK_SLOW_RANK", "2")],
+        Duration::from_secs(300),
+    );
+}
+
 crate::matrix_shm!(
     soak_mixed_collectives_and_no_leaks,
     chunk_counters_wrap_past_16_bits,
-    repeated_calls_allocate_nothing
+    repeated_calls_allocate_nothing,
+    waits_on_a_late_rank_allocate_nothing
 );

@@ -33,7 +33,7 @@ mod wire;
 
 pub(crate) use coordinate::Stop;
 pub(crate) use outcome::Control;
-pub use side_channel::{Probe, SideChannel};
+pub use side_channel::{Probe, SideChannel, MAX_PROBES};
 pub use stalls::{STALL_VERDICT, STALL_WINDOW};
 pub(crate) use wire::*;
 

@@ -28,6 +28,13 @@ pub struct Probe {
     pub recvs: bool,
 }
 
+/// Most probes kept unread (and held by a watch); the buffers are made this large at once, so
+/// that a slow wait that probes allocates nothing.
+pub const MAX_PROBES: usize = 64;
+
+/// Bytes read from a side-channel stream at once.
+const SIDE_READ: usize = 4096;
+
 /// The open TCP connections: rank 0 holds one per other rank, every other rank one to rank 0.
 pub struct SideChannel {
     rank: usize,
@@ -272,7 +279,7 @@ impl SideChannel {
         if self.relay.is_some() {
             for e in self.shared.take() {
                 match e {
-                    Event::Frame(r, kind, body) => self.handle(r, kind, body),
+                    Event::Frame(r, kind, body) => self.handle(r, kind, &body),
                     Event::Ended(r, why) => {
                         self.streams[r] = None;
                         if !why.is_empty() && !self.left[r] {
@@ -283,7 +290,7 @@ impl SideChannel {
             }
             return;
         }
-        let mut buf = [0u8; 4096];
+        let mut buf = [0u8; SIDE_READ];
         for r in 0..self.streams.len() {
             while let Some(mut s) = self.streams[r].as_deref() {
                 match s.read(&mut buf) {
@@ -326,37 +333,36 @@ impl SideChannel {
     }
 
     fn parse(&mut self, r: usize) {
-        loop {
-            let p = &self.pending[r];
-            if p.len() < 4 {
-                return;
-            }
-            let len = u32::from_le_bytes(p[..4].try_into().unwrap()) as usize;
+        // Frames are handled in place (no copy each): the buffer is put back, keeping its room.
+        let mut p = std::mem::take(&mut self.pending[r]);
+        let mut at = 0;
+        while p.len() - at >= 4 {
+            let len = u32::from_le_bytes(p[at..at + 4].try_into().expect("4 bytes")) as usize;
             if len == 0 || len > MAX_FRAME {
                 self.record_failure(
                     r,
                     format!("sent a malformed side-channel frame ({len} bytes)"),
                 );
-                self.pending[r].clear();
-                return;
+                at = p.len();
+                break;
             }
-            if p.len() < 4 + len {
-                return;
+            if p.len() - at < 4 + len {
+                break;
             }
-            let kind = p[4];
-            let body = p[5..4 + len].to_vec();
-            self.pending[r].drain(..4 + len);
-            self.handle(r, kind, body);
+            self.handle(r, p[at + 4], &p[at + 5..at + 4 + len]);
+            at += 4 + len;
         }
+        p.drain(..at);
+        self.pending[r] = p;
     }
 
     /// A frame from stream `r`. Rank 0 passes on what every rank must learn, unless its relay
     /// did already.
-    fn handle(&mut self, r: usize, kind: u8, body: Vec<u8>) {
+    fn handle(&mut self, r: usize, kind: u8, body: &[u8]) {
         let relays = self.rank == 0 && self.relay.is_none();
         match kind {
             ABORT => {
-                let (failed, why) = parse_abort(&body, r, self.addrs.len());
+                let (failed, why) = parse_abort(body, r, self.addrs.len());
                 self.record_failure(failed, why.clone());
                 if relays {
                     self.abort(failed, &why);
@@ -364,18 +370,18 @@ impl SideChannel {
             }
             BYE => self.left[r] = true,
             LEAVING => {
-                let who = Reader(&body).u32().map_or(r, |w| w as usize);
+                let who = Reader(body).u32().map_or(r, |w| w as usize);
                 let who = if who < self.leaving.len() { who } else { r };
                 if self.leaving[who].is_none() {
                     self.leaving[who] = Some(Instant::now());
                     if relays {
-                        self.send_all(LEAVING, &body, Some(who));
+                        self.send_all(LEAVING, body, Some(who));
                     }
                 }
             }
-            PROBE => self.take_probe(r, &body),
+            PROBE => self.take_probe(r, body),
             STALLED if self.rank == 0 && self.relay.is_none() => {
-                let on = Reader(&body).u32().map_or(usize::MAX, |w| w as usize);
+                let on = Reader(body).u32().map_or(usize::MAX, |w| w as usize);
                 if on < self.stalls.len() {
                     self.stalls[r] = Some(on);
                     self.stall_since.get_or_insert_with(Instant::now);
@@ -406,7 +412,7 @@ impl SideChannel {
             return;
         }
         if to == self.rank {
-            if self.probes.len() < 64 {
+            if self.probes.len() < MAX_PROBES {
                 self.probes.push(Probe {
                     from,
                     seq_in,
@@ -498,7 +504,18 @@ impl SideChannel {
             streams: streams.into_iter().map(|s| s.map(Arc::new)).collect(),
             addrs,
             timeout,
-            pending: vec![Vec::new(); n],
+            // A rank's one stream (to rank 0) has room for two reads from the start: frames
+            // that pile up in a long wait (probes) are read without allocating.
+            pending: (0..n)
+                .map(|r| {
+                    let room = if rank != 0 && r == 0 {
+                        2 * SIDE_READ
+                    } else {
+                        0
+                    };
+                    Vec::with_capacity(room)
+                })
+                .collect(),
             left: vec![false; n],
             ready: vec![false; n],
             go: false,
@@ -509,7 +526,7 @@ impl SideChannel {
             stall_since: None,
             waiting: None,
             leaving: vec![None; n],
-            probes: Vec::new(),
+            probes: Vec::with_capacity(MAX_PROBES),
             control: None,
         }
     }
@@ -528,20 +545,22 @@ impl SideChannel {
     /// rank waited on).
     pub fn probe(&mut self, p: &Probe) {
         let to = p.from;
-        let mut body = Vec::with_capacity(40);
-        body.extend_from_slice(&(to as u32).to_le_bytes());
-        body.extend_from_slice(&(self.rank as u32).to_le_bytes());
-        body.extend_from_slice(&p.seq_in.to_le_bytes());
-        body.extend_from_slice(&p.seq_out.to_le_bytes());
-        body.extend_from_slice(&p.desc);
-        body.push(p.sends as u8 | (p.recvs as u8) << 1);
+        let mut body = [0u8; 41];
+        body[..4].copy_from_slice(&(to as u32).to_le_bytes());
+        body[4..8].copy_from_slice(&(self.rank as u32).to_le_bytes());
+        body[8..16].copy_from_slice(&p.seq_in.to_le_bytes());
+        body[16..24].copy_from_slice(&p.seq_out.to_le_bytes());
+        body[24..40].copy_from_slice(&p.desc);
+        body[40] = p.sends as u8 | (p.recvs as u8) << 1;
         let via = if self.rank == 0 { to } else { 0 };
         self.send(via, PROBE, &body);
     }
 
-    /// The probes that reached this rank since the last call.
-    pub fn take_probes(&mut self) -> Vec<Probe> {
-        std::mem::take(&mut self.probes)
+    /// The probes that reached this rank since the last call, into `out` (cleared first; the
+    /// two buffers swap, so neither allocates again).
+    pub fn take_probes(&mut self, out: &mut Vec<Probe>) {
+        out.clear();
+        std::mem::swap(out, &mut self.probes);
     }
 
     /// Tells the group that this rank closes its communicator (rank 0 relays it): a rank that

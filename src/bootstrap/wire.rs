@@ -136,10 +136,19 @@ pub(super) const FRAME_WITHIN: std::time::Duration = std::time::Duration::from_s
 /// not read fills the socket) up to [`FRAME_WITHIN`]; a frame still half-written then shuts the
 /// connection down, so the reader sees it end instead of a stream gone out of step.
 pub(crate) fn send_frame_nb(s: &TcpStream, kind: u8, body: &[u8]) -> std::io::Result<()> {
-    let mut f = Vec::with_capacity(body.len() + 5);
-    f.extend_from_slice(&(body.len() as u32 + 1).to_le_bytes());
-    f.push(kind);
-    f.extend_from_slice(body);
+    // A small frame (a probe, a stall report) is built on the stack: a slow wait allocates nothing.
+    let mut small = [0u8; 64];
+    let mut big = Vec::new();
+    let f: &mut [u8] = if body.len() + 5 <= small.len() {
+        &mut small[..body.len() + 5]
+    } else {
+        big.resize(body.len() + 5, 0);
+        &mut big
+    };
+    f[..4].copy_from_slice(&(body.len() as u32 + 1).to_le_bytes());
+    f[4] = kind;
+    f[5..].copy_from_slice(body);
+    let f = &*f;
     let deadline = Instant::now() + FRAME_WITHIN;
     let mut w = s;
     let mut at = 0;

@@ -1,7 +1,7 @@
 //! What both transports do about failures: keep the first one, tell the group over the side
 //! channel, learn of others' from it, and decide whom to blame.
 
-use crate::bootstrap::{Probe, SideChannel, STALL_VERDICT, STALL_WINDOW};
+use crate::bootstrap::{Probe, SideChannel, MAX_PROBES, STALL_VERDICT, STALL_WINDOW};
 use crate::error::{Error, Peer, Result};
 use crate::transport::op::{OpDesc, OpKind, Partners};
 use crate::transport::pacer::{Pacer, Wait};
@@ -68,6 +68,9 @@ pub struct Watch {
     ledger: Ledger,
     /// Probes for operations this rank has not reached yet, compared once it has.
     held: Vec<Probe>,
+    /// Empty buffers for the next read of probes (see [`Watch::poll`]).
+    spare: Vec<Probe>,
+    fresh: Vec<Probe>,
     /// Whether this operation's wait was told to the peer waited on.
     probed: bool,
 }
@@ -191,7 +194,9 @@ impl Watch {
             request: Arc::default(),
             op: OpDesc::new(OpKind::Barrier, 0),
             ledger: Ledger::new(n),
-            held: Vec::new(),
+            held: Vec::with_capacity(MAX_PROBES),
+            spare: Vec::with_capacity(MAX_PROBES),
+            fresh: Vec::with_capacity(MAX_PROBES),
             probed: false,
         }
     }
@@ -362,8 +367,10 @@ impl Watch {
             self.failed = self.side.failure();
         }
         if self.failed.is_none() {
-            let held = std::mem::take(&mut self.held);
-            let fresh = self.side.take_probes();
+            // Three buffers of MAX_PROBES swap round: a wait that probes allocates nothing.
+            let held = std::mem::replace(&mut self.held, std::mem::take(&mut self.spare));
+            let mut fresh = std::mem::take(&mut self.fresh);
+            self.side.take_probes(&mut fresh);
             let all = held.iter().map(|p| (p, false));
             for (pr, new) in all.chain(fresh.iter().map(|p| (p, true))) {
                 if pr.from < self.ledger.seq_out.len() {
@@ -371,10 +378,12 @@ impl Watch {
                 }
                 match self.deadlocked(pr, new) {
                     Verdict::Mismatch(why) => return Err(self.mismatch(pr.from, why)),
-                    Verdict::NotYet if self.held.len() < 64 => self.held.push(*pr),
+                    Verdict::NotYet if self.held.len() < MAX_PROBES => self.held.push(*pr),
                     _ => {}
                 }
             }
+            (self.spare, self.fresh) = (held, fresh);
+            self.spare.clear();
         }
         self.error().map_or(Ok(()), Err)
     }
