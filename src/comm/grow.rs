@@ -73,10 +73,7 @@ impl Comm {
         }
         let size = n + k;
         let epoch = self.core.epoch + 1;
-        let mut cfg = self.cfg.clone();
-        cfg.world_size = size;
-        cfg.coordinator = text;
-        cfg.local_world = None;
+        let cfg = self.cfg.for_group(self.cfg.rank, size, text, None);
         let t = self.cfg.timeout;
         // Rank 0 waits up to the timeout for the newcomers before the group meets.
         let deadline = Instant::now() + 2 * t;
@@ -112,11 +109,8 @@ impl Comm {
         crate::diag::install(cfg.debug, cfg.debug_file.as_deref())?;
         let start = Instant::now();
         let w = knock(cfg, start + cfg.timeout)?;
-        let mut cfg = cfg.clone();
-        cfg.rank = w.rank;
-        cfg.world_size = w.size;
-        let origin = std::mem::replace(&mut cfg.coordinator, w.meet);
-        cfg.local_world = None;
+        let origin = cfg.coordinator.clone();
+        let mut cfg = cfg.for_group(w.rank, w.size, w.meet, None);
         let meet_cfg = cfg.clone();
         let link = transport::connect_with(&cfg, cfg.transport, &mut |card| {
             rendezvous_by(
@@ -180,7 +174,7 @@ impl Comm {
                     .unwrap_or_default();
                 if a.is_empty() {
                     // No link (a world of one): the address that reaches the coordinator's.
-                    crate::transport::dial::data_ip(&self.cfg)
+                    crate::transport::reach::data_ip(&self.cfg)
                         .map_or_else(|_| "127.0.0.1".into(), |ip| ip.to_string())
                 } else {
                     a

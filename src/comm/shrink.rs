@@ -176,11 +176,9 @@ impl Comm {
             .iter()
             .position(|&q| q == self.rank)
             .expect("a decision names its members");
-        let mut cfg = self.cfg.clone();
-        cfg.rank = rank;
-        cfg.world_size = members.len();
-        cfg.coordinator = meet;
-        cfg.local_world = self.members_here(&members);
+        let cfg = self
+            .cfg
+            .for_group(rank, members.len(), meet, self.members_here(&members));
         let epoch = self.core.epoch + 1;
         // The connections between members carry over, drained, where both ends can keep them.
         let kept = match self.lock().link.as_mut() {

@@ -92,13 +92,14 @@ impl Comm {
         let lead_addr = String::from_utf8_lossy(&fields[64 * lead..64 * lead + 64])
             .trim_end_matches('\0')
             .to_string();
-        let mut sub_cfg = self.cfg.clone();
-        sub_cfg.rank = sub_rank;
-        sub_cfg.world_size = members.len();
-        sub_cfg.coordinator = lead_addr;
         // The subgroup's own count of members on this host, not the launcher's count for the
         // world: one rank per host of a 2 x 2 job is no group for shared memory alone.
-        sub_cfg.local_world = self.members_here(&members);
+        let sub_cfg = self.cfg.for_group(
+            sub_rank,
+            members.len(),
+            lead_addr,
+            self.members_here(&members),
+        );
         // Cards over this communicator: every rank takes part, even one that joins no subgroup.
         let exchange = |card: &[u8]| -> Result<Vec<Vec<u8>>> {
             let mut lens = vec![0u8; 4 * n];

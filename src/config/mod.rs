@@ -315,6 +315,25 @@ impl Config {
 }
 
 impl Config {
+    /// These settings for another group this rank belongs to (a split, a shrunk or grown
+    /// group, a rejoin): its rank and size there, where that group meets, and how many of its
+    /// ranks share this host, if known.
+    pub(crate) fn for_group(
+        &self,
+        rank: usize,
+        size: usize,
+        meet: String,
+        local_world: Option<usize>,
+    ) -> Config {
+        Config {
+            rank,
+            world_size: size,
+            coordinator: meet,
+            local_world,
+            ..self.clone()
+        }
+    }
+
     /// Checks ranges and geometry.
     pub fn validate(&self) -> Result<()> {
         if self.world_size == 0 {

@@ -10,9 +10,12 @@ mod numbering;
 pub mod op;
 pub mod pacer;
 pub mod rdma;
+pub(crate) mod reach;
 pub mod shm;
 pub mod shm_slots;
 pub mod tcp;
+#[cfg(test)]
+mod test_rng;
 pub mod watch;
 
 use crate::bootstrap::{discover, rendezvous};

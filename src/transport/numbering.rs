@@ -223,13 +223,8 @@ mod tests {
             first_out: vec![false; n],
             first_in: vec![false; n],
         };
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
+        let mut rng = crate::transport::test_rng::Rng::new(0x2545_f491_4f6c_dd1du64);
+        let mut rnd = |m: u64| rng.below(m);
         let seq = |w: [u8; op::WIRE]| OpDesc::decode(&w, 0).map(|d| d.seq);
         for _ in 0..3000 {
             let (a, b) = (rnd(n as u64) as usize, rnd(n as u64) as usize);

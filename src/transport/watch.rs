@@ -569,13 +569,8 @@ mod tests {
         let n = 7;
         let mut lazy = Ledger::new(n);
         let mut eager = Ledger::new(n);
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
+        let mut rng = crate::transport::test_rng::Rng::new(0x9e37_79b9_7f4a_7c15u64);
+        let mut rnd = |m: u64| rng.below(m);
         for i in 0..2000 {
             let (a, b) = (rnd(n as u64) as usize, rnd(n as u64) as usize);
             let (to, from) = ([a], [b]);

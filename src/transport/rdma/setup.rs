@@ -66,14 +66,14 @@ impl RdmaTransport {
                 .then(|| connect::register(&pd, layout))
                 .transpose()?,
         };
-        let (listener, text) = dial::listen(cfg)?;
+        let (listener, text) = reach::listen(cfg)?;
         // Our card: slot geometry, how we connect, where we take data connections, and the
         // ranks we kept a queue pair to.
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_RDMA.to_le_bytes());
         common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
         common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
-        dial::put_reach(&mut common, cfg, &text);
+        reach::put_reach(&mut common, cfg, &text);
         let ranks_kept: Vec<usize> = (0..n).filter(|&p| held[p].is_some()).collect();
         common.extend_from_slice(&(ranks_kept.len() as u32).to_le_bytes());
         for &p in &ranks_kept {
@@ -101,11 +101,11 @@ impl RdmaTransport {
                         cfg.rank, cfg.slots, cfg.slot_bytes
                     )));
                 }
-                addrs.push(dial::read_reach(&mut r, p, cfg)?);
+                addrs.push(reach::read_reach(&mut r, p, cfg)?);
                 // A queue pair is kept where both ends kept it.
                 let k = r.u32()? as usize;
                 let mut keeps_me = false;
-                for _ in 0..k.min(n) {
+                for _ in 0..k {
                     keeps_me |= r.u32()? as usize == cfg.rank;
                 }
                 if !keeps_me {

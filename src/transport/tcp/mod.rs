@@ -32,7 +32,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use crate::transport::dial::{self, tune, Dialer, Event, Lookout};
+use crate::transport::dial::{Dialer, Event, Lookout};
+use crate::transport::reach::{self, tune};
 use frame::{pad, InQueue, OutQueue, HDR, OP_AT, PAD};
 
 /// How long an idle rank yields its core before blocking in poll(2).

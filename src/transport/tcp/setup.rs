@@ -20,11 +20,11 @@ impl TcpTransport {
     ) -> Result<Self> {
         cfg.validate()?;
         let n = cfg.world_size;
-        let (listener, text) = dial::listen(cfg)?;
+        let (listener, text) = reach::listen(cfg)?;
         let mut common = Vec::new();
         common.extend_from_slice(&TAG_TCP.to_le_bytes());
         common.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
-        dial::put_reach(&mut common, cfg, &text);
+        reach::put_reach(&mut common, cfg, &text);
         let n_kept = kept
             .iter()
             .filter(|(p, _)| *p < n && *p != cfg.rank)
@@ -65,11 +65,11 @@ impl TcpTransport {
                         cfg.rank, cfg.tcp_chunk
                     )));
                 }
-                addrs_data.push(dial::read_reach(&mut r, p, cfg)?);
+                addrs_data.push(reach::read_reach(&mut r, p, cfg)?);
                 // A connection is kept where both ends kept it.
                 let k = r.u32()? as usize;
                 let mut keeps_me = false;
-                for _ in 0..k.min(n) {
+                for _ in 0..k {
                     keeps_me |= r.u32()? as usize == cfg.rank;
                 }
                 if !keeps_me {
