@@ -78,6 +78,27 @@ pub(crate) fn read_reach(r: &mut Reader, p: usize, cfg: &Config) -> Result<Socke
         .map_err(|_| Error::Bootstrap(format!("rank {p} sent a bad address {a:?}")))
 }
 
+/// Appends the ranks this rank kept a connection to from the generation before (held by
+/// rank: `held[p]` is some for each kept one).
+pub(crate) fn put_kept<T>(common: &mut Vec<u8>, held: &[Option<T>]) {
+    let kept = held.iter().filter(|h| h.is_some()).count();
+    common.extend_from_slice(&(kept as u32).to_le_bytes());
+    for (p, _) in held.iter().enumerate().filter(|(_, h)| h.is_some()) {
+        common.extend_from_slice(&(p as u32).to_le_bytes());
+    }
+}
+
+/// Reads what [`put_kept`] wrote into a peer's card: whether it kept its connection to `me` (a
+/// connection is used where both ends kept it).
+pub(crate) fn read_kept(r: &mut Reader, me: usize) -> Result<bool> {
+    let k = r.u32()?;
+    let mut keeps_me = false;
+    for _ in 0..k {
+        keeps_me |= r.u32()? as usize == me;
+    }
+    Ok(keeps_me)
+}
+
 /// Low latency and buffers large enough for a chunk in flight.
 pub(crate) fn tune(s: &TcpStream) -> Result<()> {
     s.set_nodelay(true)?;
@@ -116,5 +137,21 @@ mod tests {
             .to_string();
         assert!(e.contains("rank 1 sent a bad address"), "{e}");
         assert!(read_reach(&mut Reader(&card[..5]), 1, &mine).is_err());
+    }
+
+    #[test]
+    fn a_card_says_which_ranks_it_kept_a_connection_to() {
+        let held = [None, Some(()), None, Some(())];
+        let mut card = Vec::new();
+        put_kept(&mut card, &held);
+        for (me, kept) in [(0, false), (1, true), (2, false), (3, true)] {
+            assert_eq!(
+                read_kept(&mut Reader(&card), me).unwrap(),
+                kept,
+                "rank {me}"
+            );
+        }
+        // A list longer than the card is a malformed card, not a short read.
+        assert!(read_kept(&mut Reader(&card[..card.len() - 1]), 3).is_err());
     }
 }

@@ -74,11 +74,7 @@ impl RdmaTransport {
         common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
         common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
         reach::put_reach(&mut common, cfg, &text);
-        let ranks_kept: Vec<usize> = (0..n).filter(|&p| held[p].is_some()).collect();
-        common.extend_from_slice(&(ranks_kept.len() as u32).to_le_bytes());
-        for &p in &ranks_kept {
-            common.extend_from_slice(&(p as u32).to_le_bytes());
-        }
+        reach::put_kept(&mut common, &held);
         let card = Card {
             common,
             entry: 0,
@@ -102,13 +98,7 @@ impl RdmaTransport {
                     )));
                 }
                 addrs.push(reach::read_reach(&mut r, p, cfg)?);
-                // A queue pair is kept where both ends kept it.
-                let k = r.u32()? as usize;
-                let mut keeps_me = false;
-                for _ in 0..k {
-                    keeps_me |= r.u32()? as usize == cfg.rank;
-                }
-                if !keeps_me {
+                if !reach::read_kept(&mut r, cfg.rank)? {
                     held[p] = None;
                 }
             }

@@ -25,18 +25,13 @@ impl TcpTransport {
         common.extend_from_slice(&TAG_TCP.to_le_bytes());
         common.extend_from_slice(&(cfg.tcp_chunk as u32).to_le_bytes());
         reach::put_reach(&mut common, cfg, &text);
-        let n_kept = kept
-            .iter()
-            .filter(|(p, _)| *p < n && *p != cfg.rank)
-            .count();
-        common.extend_from_slice(&(n_kept as u32).to_le_bytes());
         let mut held: Vec<Option<Conn>> = (0..n).map(|_| None).collect();
         for (p, KeptConn(c)) in kept {
             if p < n && p != cfg.rank {
-                common.extend_from_slice(&(p as u32).to_le_bytes());
                 held[p] = Some(c);
             }
         }
+        reach::put_kept(&mut common, &held);
         let card = Card {
             common,
             entry: 0,
@@ -66,13 +61,7 @@ impl TcpTransport {
                     )));
                 }
                 addrs_data.push(reach::read_reach(&mut r, p, cfg)?);
-                // A connection is kept where both ends kept it.
-                let k = r.u32()? as usize;
-                let mut keeps_me = false;
-                for _ in 0..k {
-                    keeps_me |= r.u32()? as usize == cfg.rank;
-                }
-                if !keeps_me {
+                if !reach::read_kept(&mut r, cfg.rank)? {
                     held[p] = None;
                 }
             }
