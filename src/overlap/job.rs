@@ -1,16 +1,16 @@
 //! One started operation in one allocation: its closure until it runs, then its result until
 //! its handle takes it.
 
-use super::queue::Queue;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// A started operation as the queue runs it.
+/// A started operation as the queue runs it (`'env`: what it borrows lives that long).
 pub(super) trait Job<'env>: Send + Sync {
-    /// Runs the operation (once) and leaves its result for the handle.
-    fn run(&self, queue: &Queue<'env>);
+    /// Runs the operation on `comm` (once) and leaves its result for the handle; its failure
+    /// in words, for the queue to record.
+    fn run(&self, comm: &Comm) -> Option<String>;
 }
 
 /// A started operation as its handle sees it.
@@ -56,32 +56,32 @@ where
     B: Send + 'env,
     F: FnOnce(&Comm) -> (Result<()>, B) + Send + 'env,
 {
-    fn run(&self, queue: &Queue<'env>) {
-        let comm = queue.comm;
+    fn run(&self, comm: &Comm) -> Option<String> {
         // SAFETY: the caller holds the queue's token and has taken this operation off it, so no
         // other thread touches the closure, and the handle does not read the result yet.
-        let Some(op) = (unsafe { &mut *self.op.get() }).take() else {
-            return;
-        };
+        let op = (unsafe { &mut *self.op.get() }).take()?;
         let result = self.result.get();
         // The result goes straight into the cell (no copies of it on the way out).
         let ran = catch_unwind(AssertUnwindSafe(|| {
             let (r, b) = op(comm);
-            if let Err(e) = &r {
-                queue.failed(e);
-            }
+            let failed = r.as_ref().err().map(Error::to_string);
             // SAFETY: as above; the queue publishes the operation as finished after `run`.
             unsafe { *result = Some(r.map(|()| b)) };
+            failed
         }));
-        if ran.is_err() {
-            // The operation poisoned the communicator and told the peers.
-            let e = comm
-                .check_usable()
-                .err()
-                .unwrap_or_else(|| Error::Poisoned("a non-blocking operation panicked".into()));
-            queue.failed(&e);
-            // SAFETY: as above.
-            unsafe { *result = Some(Err(e)) };
+        match ran {
+            Ok(failed) => failed,
+            Err(_) => {
+                // The operation poisoned the communicator and told the peers.
+                let e = comm
+                    .check_usable()
+                    .err()
+                    .unwrap_or_else(|| Error::Poisoned("a non-blocking operation panicked".into()));
+                let failed = e.to_string();
+                // SAFETY: as above.
+                unsafe { *result = Some(Err(e)) };
+                Some(failed)
+            }
         }
     }
 }

@@ -6,7 +6,6 @@
 
 use super::job::Job;
 use crate::comm::Comm;
-use crate::error::Error;
 use std::cell::UnsafeCell;
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -134,12 +133,12 @@ impl<'env> Queue<'env> {
         self.wake.notify_all();
     }
 
-    /// Records a failed operation.
-    pub(super) fn failed(&self, e: &Error) {
+    /// Records a failed operation (the first failure is kept).
+    fn failed(&self, why: String) {
         self.first_error
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(|| e.to_string());
+            .get_or_insert(why);
     }
 
     /// The first failure of an operation, in words.
@@ -179,7 +178,9 @@ impl<'env> Queue<'env> {
         if let Some(job) = job {
             super::IN_JOB.with(|j| j.set(true));
             // SAFETY: the job stays valid until `finished` passes it (push's contract).
-            unsafe { job.as_ref() }.run(self);
+            if let Some(why) = unsafe { job.as_ref() }.run(self.comm) {
+                self.failed(why);
+            }
             super::IN_JOB.with(|j| j.set(false));
         }
         // From here the job may be freed by its handle.
@@ -312,8 +313,9 @@ mod tests {
         let order = Mutex::new(Vec::new());
         struct Push<'a>(&'a Mutex<Vec<usize>>, usize);
         impl<'env> Job<'env> for Push<'_> {
-            fn run(&self, _: &Queue<'env>) {
+            fn run(&self, _: &Comm) -> Option<String> {
                 self.0.lock().unwrap().push(self.1);
+                None
             }
         }
         let n = 3 * RING + 7;
