@@ -47,13 +47,15 @@ fn attacker() {
     let host = cfg.coordinator.rsplit_once(':').unwrap().0.to_string();
     let listener = TcpListener::bind((host.as_str(), 0)).unwrap();
     let me = listener.local_addr().unwrap().to_string();
-    // An RDMA card: tag, slots, slot bytes, how it connects, its data address.
+    // An RDMA card: tag, slots, slot bytes, how it connects, its data address, and the ranks
+    // it kept a queue pair to from a generation before (none).
     let mut common = TAG_RDMA.to_le_bytes().to_vec();
     common.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
     common.extend_from_slice(&(cfg.slot_bytes as u32).to_le_bytes());
     common.extend_from_slice(&(cfg.connect as u32).to_le_bytes());
     common.extend_from_slice(&(me.len() as u32).to_le_bytes());
     common.extend_from_slice(me.as_bytes());
+    common.extend_from_slice(&0u32.to_le_bytes());
     let card = Card {
         common,
         entry: 0,
