@@ -38,6 +38,7 @@ pub mod fuel;
 mod group;
 mod identity;
 mod launch;
+mod ledger;
 #[cfg(feature = "nuvec")]
 pub mod nuvec;
 mod overlap;
@@ -65,6 +66,7 @@ pub use error::{Error, Peer, Result};
 pub use group::Group;
 pub use identity::IdentityComm;
 pub use launch::{run_local, run_local_with};
+pub use ledger::Ledger;
 
 /// The kernels this process chose at run time, in words, for benchmark reports: the reductions'
 /// instruction set and the copy kernel (`reduce Avx2, copy Simd`).

@@ -322,6 +322,42 @@ pub(crate) fn reduce_unchecked(op: AllReduce, dtype: DType, acc: &mut [u8], src:
     }
 }
 
+/// Bytes a fused pass works on at a time: small enough that the block it wrote is still in the
+/// first-level cache when it is reduced or written again, so that memory sees one pass.
+const FUSED_BLOCK: usize = 4096;
+
+/// `out = op(a, b)` element-wise, and also `a = out` where `keep`: one sweep over memory (a, b
+/// read once, each output written once), block by block. The same combine as
+/// [`reduce_unchecked`] with the same operands, so the same bits.
+pub(crate) fn reduce_to(
+    op: AllReduce,
+    dtype: DType,
+    out: &mut [u8],
+    a: &mut [u8],
+    b: &[u8],
+    keep: bool,
+) {
+    debug_assert!(out.len() == a.len() && a.len() == b.len());
+    let blocks = out.chunks_mut(FUSED_BLOCK).zip(a.chunks_mut(FUSED_BLOCK));
+    for ((o, x), y) in blocks.zip(b.chunks(FUSED_BLOCK)) {
+        o.copy_from_slice(x);
+        reduce_unchecked(op, dtype, o, y);
+        if keep {
+            x.copy_from_slice(o);
+        }
+    }
+}
+
+/// `out = src` and `a = src`: one read of `src`, block by block, for two places.
+pub(crate) fn copy_twice(out: &mut [u8], a: &mut [u8], src: &[u8]) {
+    debug_assert!(out.len() == a.len() && a.len() == src.len());
+    let blocks = out.chunks_mut(FUSED_BLOCK).zip(a.chunks_mut(FUSED_BLOCK));
+    for ((o, x), y) in blocks.zip(src.chunks(FUSED_BLOCK)) {
+        o.copy_from_slice(y);
+        x.copy_from_slice(o);
+    }
+}
+
 /// The scalar reference of one combine, element by element (used by tests and `-c` checks):
 /// independent of the vector kernels (bf16/f16 rounding by the `half` crate).
 #[cfg_attr(not(feature = "unstable"), allow(dead_code))]

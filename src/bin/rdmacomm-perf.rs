@@ -12,6 +12,12 @@
 //! 2(n-1)/n; all_gather, sum_scatter, all_to_all, gather, scatter algbw x (n-1)/n (size: the
 //! whole buffer); sendrecv, broadcast and reduce algbw. Time is the slowest rank's mean per
 //! iteration.
+//!
+//! Under each row a `# ledger` line gives rank 0's CPU passes per wire byte over the timed
+//! loop (copy-in + reduce + copy-out, from `Comm::ledger`), its user and system CPU
+//! nanoseconds per wire byte (`getrusage`), registrations per operation, and the busbw those
+//! passes allow on a 24 and a 48 GB/s link (200 and 400 Gb/s) at this host's copy and reduce
+//! speeds for buffers larger than its caches (measured once, at start).
 
 use rdmacomm::{Algo, AllReduce, Comm, Communicator, DType};
 use std::time::Instant;
@@ -355,6 +361,50 @@ fn run_once(
     Ok(wrong)
 }
 
+/// User and system CPU time of this process so far, in nanoseconds.
+fn cpu_ns() -> (u64, u64) {
+    // SAFETY: getrusage writes the struct it is given, zeroed here.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a rusage for the call.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let ns = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    (ns(u.ru_utime), ns(u.ru_stime))
+}
+
+/// This host's cost of a pass over memory larger than its caches, in ns per byte: (a copy, a
+/// two-operand f32 sum), each the best of three over 64 MiB.
+fn pass_costs() -> (f64, f64) {
+    let n = 16 << 20;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![2.0f32; n];
+    let best = |f: &mut dyn FnMut()| {
+        (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64() * 1e9 / (n * 4) as f64
+            })
+            .fold(f64::MAX, f64::min)
+    };
+    let copy = best(&mut || dst.copy_from_slice(std::hint::black_box(&src)));
+    let sum = best(&mut || {
+        dst.iter_mut().zip(&src).for_each(|(a, b)| *a += *b);
+        std::hint::black_box(&dst);
+    });
+    (copy, sum)
+}
+
+/// The busbw (GB/s) one thread's passes allow on a link of `link` GB/s a direction: the CPU's
+/// time per wire byte and the wire's overlap, so the slower of the two sets the pace.
+fn predicted(l: &rdmacomm::Ledger, costs: (f64, f64), link: f64) -> f64 {
+    let (cin, red, cout) = l.passes_per_wire_byte();
+    let cpu = (cin + cout) * costs.0 + red * costs.1;
+    if cpu <= 0.0 {
+        return link;
+    }
+    link.min(1.0 / cpu)
+}
+
 /// Times every size; returns the sum of the bus bandwidths.
 fn sweep(
     c: &Comm,
@@ -366,7 +416,15 @@ fn sweep(
 ) -> rdmacomm::Result<f64> {
     let (r, s) = (c.rank(), o.dtype.size());
     let mut sum_bus = 0.0;
+    let costs = if r == 0 { pass_costs() } else { (0.0, 0.0) };
+    if r == 0 {
+        println!(
+            "# this host: a copy {:.3} ns/B, a sum {:.3} ns/B over 64 MiB (past the caches)",
+            costs.0, costs.1
+        );
+    }
     for &bytes in sizes {
+        let mut ledger = None;
         let mut wrong = if o.check {
             run_once(c, o, bytes, a, b, true)?
         } else {
@@ -390,11 +448,14 @@ fn sweep(
             for _ in 0..o.warmup {
                 run_once(c, o, bytes, a, b, false)?;
             }
+            let (l0, cpu0) = (c.ledger(), cpu_ns());
             let t0 = Instant::now();
             for _ in 0..o.iters {
                 run_once(c, o, bytes, a, b, false)?;
             }
-            t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64
+            let us = t0.elapsed().as_secs_f64() * 1e6 / o.iters as f64;
+            ledger = Some((c.ledger() - l0, cpu_ns(), cpu0));
+            us
         };
         // Slowest rank's time and total wrong count.
         let mut t = us.to_le_bytes();
@@ -425,6 +486,21 @@ fn sweep(
                 } else {
                     "N/A".into()
                 }
+            );
+        }
+        if let (0, Some((l, (u1, s1), (u0, s0)))) = (r, ledger) {
+            let (cin, red, cout) = l.passes_per_wire_byte();
+            let w = l.wire.max(1) as f64;
+            println!(
+                "#   ledger: {:.3} passes/wire B (in {cin:.3} + reduce {red:.3} + out {cout:.3}), \
+                 cpu user {:.3} sys {:.3} ns/wire B, {:.2} registrations/op, 1 reduce worker; \
+                 busbw allowed at 24 GB/s {:.1}, at 48 GB/s {:.1}",
+                l.passes(),
+                (u1 - u0) as f64 / w,
+                (s1 - s0) as f64 / w,
+                l.registrations as f64 / o.iters.max(1) as f64,
+                predicted(&l, costs, 24.0),
+                predicted(&l, costs, 48.0)
             );
         }
         if wrong > 0 {

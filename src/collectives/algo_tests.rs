@@ -268,3 +268,92 @@ fn a_barrier_holds_every_rank_until_the_last_arrives() {
         }
     }
 }
+
+/// The ring over links that relay (a received segment reduced or copied straight into the next
+/// send's slot) gives the bits it gives over links that do not, at every world size, slot count
+/// and chunk, for all_reduce, reduce_scatter and all_gather; a single slot leaves no window and
+/// so no relay, and must still complete.
+#[test]
+fn relayed_rings_give_the_same_bits() {
+    use super::mem_link::relaying;
+    for n in 2..=8 {
+        for (slots, chunk) in [(1, 8), (2, 8), (2, 64), (3, 64), (4, 4096)] {
+            for &elems in &LENGTHS {
+                let run = |relay: bool| {
+                    let links = mesh(n, slots, chunk, None);
+                    let links = if relay { relaying(links) } else { links };
+                    on_every_rank(links, move |l: &mut MemLink| {
+                        let r = crate::transport::Link::rank(l);
+                        let (op, t) = (AllReduce::Sum, DType::f32);
+                        let mut a = bytes((0..elems).map(|i| value(r, i, true)));
+                        ring::all_reduce(l, op, t, &mut a).unwrap();
+                        let m = elems.div_ceil(n).max(1) * n;
+                        let mut rs = bytes((0..m).map(|i| value(r, i, true)));
+                        ring::reduce_scatter(l, op, t, &mut rs).unwrap();
+                        let own = rs.len() / n;
+                        let rs = rs[r * own..(r + 1) * own].to_vec();
+                        let mut ag = vec![0u8; m * 4];
+                        ag[r * own..(r + 1) * own].copy_from_slice(&rs);
+                        ring::all_gather(l, &mut ag).unwrap();
+                        (a, rs, ag, l.ledger)
+                    })
+                };
+                let (plain, relayed) = (run(false), run(true));
+                let what = format!("{n} ranks, {slots} x {chunk} B, x{elems}");
+                for (r, (p, q)) in plain.iter().zip(&relayed).enumerate() {
+                    assert_eq!(p.0, q.0, "{what}: rank {r}'s all_reduce bits");
+                    assert_eq!(p.1, q.1, "{what}: rank {r}'s reduce_scatter bits");
+                    assert_eq!(p.2, q.2, "{what}: rank {r}'s all_gather bits");
+                    assert_eq!(p.3.wire, q.3.wire, "{what}: rank {r}'s wire bytes");
+                    if slots > 1 && elems >= 1000 {
+                        assert!(
+                            q.3.copied_in < p.3.copied_in,
+                            "{what}: rank {r} relayed none"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The ledger of a ring all_reduce of `n` equal chunks of `c` bytes, from the algorithm's
+/// definition: 2 (n - 1) chunks sent; the first n - 1 received are reduced, the rest copied out.
+/// Without a relay every send is copied in; with one only the first step's.
+fn ring_ledger(n: u64, c: u64, relay: bool) -> (u64, u64, u64, u64) {
+    let wire = 2 * (n - 1) * c;
+    let copied_in = if relay { c } else { wire };
+    (copied_in, (n - 1) * c, (n - 1) * c, wire)
+}
+
+#[test]
+fn the_ledger_counts_the_ring_s_passes() {
+    use super::mem_link::relaying;
+    for n in [2usize, 4, 6, 8] {
+        for relay in [false, true] {
+            // 3 segments of 4 KiB a chunk: several windows of 3 slots.
+            let elems = n * 3 * 1024;
+            let links = mesh(n, 3, 4096, None);
+            let links = if relay { relaying(links) } else { links };
+            let got = on_every_rank(links, move |l: &mut MemLink| {
+                let r = crate::transport::Link::rank(l);
+                let mut a = bytes((0..elems).map(|i| value(r, i, false)));
+                ring::all_reduce(l, AllReduce::Sum, DType::f32, &mut a).unwrap();
+                l.ledger
+            });
+            let (n64, c) = (n as u64, (elems / n * 4) as u64);
+            let want = ring_ledger(n64, c, relay);
+            for (r, l) in got.iter().enumerate() {
+                let have = (l.copied_in, l.reduced, l.copied_out, l.wire);
+                assert_eq!(have, want, "{n} ranks, relay {relay}: rank {r}");
+                // Passes per wire byte: 2 without a relay; 1 + 1 / (2 (n - 1)) with one.
+                let passes = if relay {
+                    1.0 + 1.0 / (2.0 * (n as f64 - 1.0))
+                } else {
+                    2.0
+                };
+                assert!((l.passes() - passes).abs() < 1e-12, "{n}: {}", l.passes());
+            }
+        }
+    }
+}

@@ -18,7 +18,7 @@ use crate::collectives::{land, take};
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
 use crate::reduce::reduce_unchecked;
-use crate::transport::Link;
+use crate::transport::{Link, Pass};
 
 /// Sends `send` to `peer` while receiving `recv.len()` bytes from it into `recv`, pipelined over
 /// the link's slots. `None` skips a direction; an empty slice still sends/takes one empty chunk.
@@ -128,6 +128,8 @@ fn fold_in(
         exchange(link, r - 1, None, Some(scratch), None, dtype.size())?;
         reduce_unchecked(op, dtype, scratch, data);
         crate::copy::copy(data, scratch);
+        link.count(Pass::Reduce, data.len());
+        link.count(Pass::CopyOut, data.len());
         Ok(())
     }
 }
@@ -324,6 +326,11 @@ fn exchange_reduce(
                 Ok(())
             })?;
             if got {
+                // The upper partner also copies the arrival into place before reducing.
+                link.count(Pass::Reduce, piece(ri).len());
+                if upper {
+                    link.count(Pass::CopyOut, piece(ri).len());
+                }
                 ri += 1;
                 did = true;
             }

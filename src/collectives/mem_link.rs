@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Peer, Result};
 use crate::transport::op::{OpDesc, Partners};
-use crate::transport::Link;
+use crate::transport::{Link, Pass};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,6 +22,8 @@ pub(crate) struct MemLink {
     idle_since: Instant,
     /// The peers posted to or taken from (an algorithm's partners).
     pub(crate) used: std::collections::BTreeSet<usize>,
+    /// What its posts and takes did to the bytes.
+    pub(crate) ledger: crate::transport::Ledger,
 }
 
 /// How long a wait without progress lasts before it fails (a deadlock in an algorithm).
@@ -43,8 +45,19 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
             },
             idle_since: Instant::now(),
             used: Default::default(),
+            ledger: Default::default(),
         })
         .collect()
+}
+
+/// `links` made to stage their posts and relay ([`Link::try_relay`]), as RDMA and shared memory
+/// do; a take frees its slot at once, so the window is one short of the slots.
+pub(crate) fn relaying(mut links: Vec<MemLink>) -> Vec<MemLink> {
+    for l in &mut links {
+        l.props.relays = true;
+        l.props.window = l.slots - 1;
+    }
+    links
 }
 
 /// Runs `f` on every rank of `links`, each in a thread of its own, and returns what each
@@ -95,8 +108,39 @@ impl Link for MemLink {
             }
             q.push_back(data.to_vec());
         }
+        self.ledger.count(Pass::CopyIn, data.len());
+        self.ledger.count(Pass::Wire, data.len());
         self.idle_since = Instant::now();
         Ok(true)
+    }
+    fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        assert!(self.props.relays, "a relay on a link that has none");
+        assert!(len <= self.chunk, "a chunk of {len} bytes");
+        if self.queue(self.me, to).lock().unwrap().len() >= self.slots {
+            return Ok(false);
+        }
+        let Some(c) = self.queue(from, self.me).lock().unwrap().pop_front() else {
+            return Ok(false);
+        };
+        let mut out = vec![0u8; len];
+        f(&c, &mut out)?;
+        self.queue(self.me, to).lock().unwrap().push_back(out);
+        self.ledger.count(Pass::Wire, len);
+        self.used.extend([from, to]);
+        self.idle_since = Instant::now();
+        Ok(true)
+    }
+    fn sends_in_place(&self, _data: &[u8]) -> bool {
+        !self.props.relays
+    }
+    fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
+        Some(&mut self.ledger)
     }
     fn try_take(&mut self, peer: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
         assert!(peer != self.me && peer < self.n, "take from {peer}");

@@ -24,7 +24,7 @@ mod set_tests;
 
 use crate::dtype::{AllReduce, DType};
 use crate::error::{Error, Result};
-use crate::transport::Link;
+use crate::transport::{Link, Pass};
 
 /// Memory an operation reuses from call to call, so that repeated calls allocate nothing: bytes
 /// (copies, partial sums; what it derefs to) and an exchange's per-peer counters.
@@ -103,7 +103,11 @@ pub(crate) fn take(
         None => link.try_take_into(from, dst),
         Some(_) => {
             crate::transport::settle(link, dst)?;
-            link.try_take(from, &mut |src: &[u8]| land(dst, src, reduce, from))
+            let took = link.try_take(from, &mut |src: &[u8]| land(dst, src, reduce, from))?;
+            if took {
+                link.count(Pass::Reduce, dst.len());
+            }
+            Ok(took)
         }
     }
 }

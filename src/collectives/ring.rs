@@ -10,7 +10,7 @@ use crate::collectives::pause::wait_on;
 use crate::collectives::take;
 use crate::dtype::{AllReduce, DType};
 use crate::error::Result;
-use crate::transport::Link;
+use crate::transport::{Link, Pass};
 
 /// How a buffer is cut into `n` chunks, computed per chunk (no allocation on the hot path): the
 /// first `extra` chunks get one element more; or, for the uneven collectives, at listed offsets.
@@ -89,6 +89,32 @@ struct Plan<'a> {
     esize: usize,
 }
 
+/// The order units go in: groups of `width` segments, each group through every step before
+/// the next. With `width` = all segments there is one group (the ring as a plain stream).
+#[derive(Clone, Copy)]
+struct Units {
+    nseg: usize,
+    width: usize,
+    steps: usize,
+}
+
+impl Units {
+    /// The segments of unit `u`'s group.
+    fn width_of(&self, u: usize) -> usize {
+        let g = u / (self.width * self.steps);
+        self.width.min(self.nseg - g * self.width)
+    }
+
+    /// Unit `u`'s (step, segment).
+    fn at(&self, u: usize) -> (usize, usize) {
+        let per_group = self.width * self.steps;
+        let g = u / per_group;
+        let w = self.width_of(u);
+        let t = u - g * per_group;
+        (t / w, g * self.width + t % w)
+    }
+}
+
 fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     let n = link.size();
     let rank = link.rank();
@@ -100,6 +126,21 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     let max_chunk_len = plan.chunks.max_len();
     let seg = (link.props().max_chunk / plan.esize * plan.esize).max(plan.esize);
     let nseg = max_chunk_len.div_ceil(seg).max(1);
+    // Where posts are staged, a received segment is reduced (or copied) straight into the
+    // next send's slot: one pass where a take and a post would make two. A relay keeps at
+    // most the link's window ahead, so that no rank waits in a circle for room.
+    let props = link.props();
+    let relay = props.relays && props.window > 0 && plan.steps > 1 && !link.sends_in_place(buf);
+    let width = if relay {
+        link.props().window.clamp(1, nseg)
+    } else {
+        nseg
+    };
+    let units = Units {
+        nseg,
+        width,
+        steps: plan.steps,
+    };
     let chunk_at = |s: usize| (rank + plan.shift + n * plan.steps - s) % n;
     let seg_range = |c: usize, j: usize| {
         let (off, len) = plan.chunks.get(c);
@@ -113,8 +154,12 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     link.begin();
     while recvd < total || sent < total {
         let mut did = false;
-        while sent < total && (sent < nseg || sent - nseg < recvd) {
-            let (s, j) = (sent / nseg, sent % nseg);
+        // Posts from the buffer: a relay's dependent sends go with their receive instead.
+        while sent < total && sent < recvd + width {
+            let (s, j) = units.at(sent);
+            if relay && s > 0 {
+                break;
+            }
             let (off, len) = seg_range(chunk_at(s), j);
             if !link.try_post(right, &buf[off..off + len])? {
                 break;
@@ -126,12 +171,18 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
             }
         }
         if recvd < total {
-            let (s, j) = (recvd / nseg, recvd % nseg);
+            let (s, j) = units.at(recvd);
             let (off, len) = seg_range(chunk_at(s + 1), j);
             let dst = &mut buf[off..off + len];
             let reduce = if s < plan.reduce_steps { plan.op } else { None };
-            let got = take(link, left, dst, reduce)?;
-            if got {
+            if relay && s + 1 < plan.steps {
+                // Its send is the next one once the posts before it went.
+                if sent == recvd + units.width_of(recvd) && relay_one(link, plan, dst, s, reduce)? {
+                    sent += 1;
+                    recvd += 1;
+                    did = true;
+                }
+            } else if take(link, left, dst, reduce)? {
                 recvd += 1;
                 did = true;
             }
@@ -142,6 +193,50 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Takes the segment of step `s` from the left and posts its next step to the right in one
+/// pass: reduced with `dst` (kept in `dst` too where the result is final), or copied (into
+/// `dst` too). Whether it moved.
+fn relay_one(
+    link: &mut dyn Link,
+    plan: &Plan<'_>,
+    dst: &mut [u8],
+    s: usize,
+    reduce: Option<(AllReduce, DType)>,
+) -> Result<bool> {
+    let n = link.size();
+    let (left, right) = ((link.rank() + n - 1) % n, (link.rank() + 1) % n);
+    // Partial sums of an all_reduce are not needed again; the last one is this rank's result.
+    let keep = reduce.is_none() || s + 1 == plan.reduce_steps;
+    if keep {
+        crate::transport::settle(link, dst)?;
+    }
+    let len = dst.len();
+    let moved = link.try_relay(left, right, len, &mut |src: &[u8], out: &mut [u8]| {
+        if src.len() != len {
+            return Err(crate::Error::length_mismatch(src.len(), len, left));
+        }
+        match reduce {
+            Some((op, dtype)) => crate::reduce::reduce_to(op, dtype, out, dst, src, keep),
+            None => crate::reduce::copy_twice(out, dst, src),
+        }
+        Ok(())
+    })?;
+    if moved {
+        link.count(
+            if reduce.is_some() {
+                Pass::Reduce
+            } else {
+                Pass::CopyOut
+            },
+            len,
+        );
+        if keep {
+            link.count(Pass::SecondWrite, len);
+        }
+    }
+    Ok(moved)
 }
 
 /// In-place all-reduce: ring reduce-scatter, then ring all-gather.

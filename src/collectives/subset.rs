@@ -19,6 +19,8 @@ impl<'a> Subset<'a> {
     pub(crate) fn new(link: &'a mut dyn Link, ranks: &'a [usize], me: usize) -> Subset<'a> {
         let props = Props {
             takes_return_credits: link.props().takes_return_credits,
+            relays: link.props().relays,
+            window: link.props().window,
             ..Props::new(me, ranks.len(), link.props().max_chunk, link.props().medium)
         };
         Subset {
@@ -57,6 +59,22 @@ impl Link for Subset<'_> {
     }
     fn try_take_into(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
         self.link.try_take_into(self.ranks[peer], dst)
+    }
+    fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        self.link
+            .try_relay(self.ranks[from], self.ranks[to], len, f)
+    }
+    fn sends_in_place(&self, data: &[u8]) -> bool {
+        self.link.sends_in_place(data)
+    }
+    fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
+        self.link.ledger_mut()
     }
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
         self.link.progress(self.ranks[waiting_on])

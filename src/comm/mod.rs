@@ -379,6 +379,17 @@ impl Comm {
         self.described.clone()
     }
 
+    /// What the CPU did to the bytes this communicator's link moved since it was made
+    /// ([`crate::Ledger`]: copies in, reductions, copies out and wire bytes, counted per chunk),
+    /// for every communicator over that link. Call it between operations: it waits for one
+    /// under way. All zeros for a world of one.
+    pub fn ledger(&self) -> crate::Ledger {
+        self.lock()
+            .link
+            .as_ref()
+            .map_or_else(Default::default, |l| l.ledger())
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.core.inner.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -112,6 +112,9 @@ pub(crate) fn connect_with(
                 max_chunk: rings.chunk(),
                 // A take on a ring frees the peer's slot at once: its next post may wait for it.
                 takes_return_credits: true,
+                // A relay between a ring and the network would need both at once: not made.
+                relays: false,
+                window: 0,
                 ..net.props().clone()
             };
             Box::new(HybridTransport {
@@ -214,7 +217,21 @@ impl Link for HybridTransport {
         if !self.local(p) {
             return self.net.try_take_into(p, dst);
         }
-        self.try_take(p, &mut |src: &[u8]| super::copy_chunk(src, dst, p))
+        let took = self.try_take(p, &mut |src: &[u8]| super::copy_chunk(src, dst, p))?;
+        if took {
+            self.rings
+                .ledger
+                .count(crate::transport::Pass::CopyOut, dst.len());
+        }
+        Ok(took)
+    }
+
+    fn sends_in_place(&self, _data: &[u8]) -> bool {
+        true
+    }
+
+    fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
+        Some(&mut self.rings.ledger)
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
@@ -309,6 +326,9 @@ impl Transport for HybridTransport {
     }
     fn holds(&self) -> crate::transport::Holdings {
         self.net.holds() + self.rings.holds()
+    }
+    fn ledger(&self) -> crate::transport::Ledger {
+        self.net.ledger() + self.rings.ledger
     }
     fn keep(&mut self, members: &[usize], epoch: u32, until: std::time::Instant) -> Kept {
         self.net.keep(members, epoch, until)

@@ -20,6 +20,7 @@ pub mod watch;
 
 use crate::bootstrap::{discover, rendezvous};
 use crate::error::{Peer, Result};
+pub(crate) use crate::ledger::{Ledger, Pass};
 
 /// What a link is: the facts it reports once, from which the core chooses its algorithms and
 /// thresholds (`collectives/tuning.rs`), as NCCL's net plugins report their properties.
@@ -48,6 +49,14 @@ pub struct Props {
     /// none of its own. An operation that would exchange with more (an all_to_all, a gather or
     /// a scatter on a wide world) runs as a tree of log2(n) peers instead.
     pub peers_max: usize,
+    /// Whether a post copies into the link's own send memory (an RDMA staging slot, a peer's
+    /// shared-memory slot) and the link can fill that memory from a received chunk in the same
+    /// step ([`Link::try_relay`]).
+    pub relays: bool,
+    /// With [`Props::relays`]: the chunks a rank may have posted to a peer and not yet seen
+    /// taken, past which a post may wait on that peer's takes (credits come back in batches).
+    /// A relay that keeps fewer than this ahead can never wait in a circle.
+    pub window: usize,
 }
 
 /// Bytes of per-peer buffers (registered RDMA slots, TCP receive buffers) a rank's
@@ -67,6 +76,8 @@ impl Props {
             hosts: None,
             takes_return_credits: false,
             peers_max: usize::MAX,
+            relays: false,
+            window: 0,
         }
     }
 }
@@ -115,7 +126,44 @@ pub trait Link {
     /// chunk's) and frees its slot. A transport may place it there directly, a part per call:
     /// until it returns true, the caller passes the same `dst`.
     fn try_take_into(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
-        self.try_take(peer, &mut |src: &[u8]| copy_chunk(src, dst, peer))
+        let took = self.try_take(peer, &mut |src: &[u8]| copy_chunk(src, dst, peer))?;
+        if took {
+            self.count(Pass::CopyOut, dst.len());
+        }
+        Ok(took)
+    }
+    /// Takes the next chunk from `from` and, in the same step, posts to `to` a chunk of `len`
+    /// bytes that `f` writes from it (`f(received, slot)`) straight into the link's send memory:
+    /// a reduction and the copy-in of the next send fused into one pass. `Ok(false)` while the
+    /// chunk has not arrived or no slot to `to` is free (then neither happened). Only where
+    /// [`Props::relays`]; elsewhere it fails.
+    fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        let _ = (from, to, len, f);
+        Err(crate::Error::InvalidArgument(
+            "this link has no relay (Props::relays)".into(),
+        ))
+    }
+    /// Whether a post from `data` goes out without a CPU copy (a registered or lent buffer, a
+    /// socket write), so that staging it through [`Link::try_relay`] would add a pass.
+    fn sends_in_place(&self, data: &[u8]) -> bool {
+        let _ = data;
+        !self.props().relays
+    }
+    /// This link's pass ledger, where it keeps one.
+    fn ledger_mut(&mut self) -> Option<&mut Ledger> {
+        None
+    }
+    /// Counts `bytes` of `pass` in the ledger, where the link keeps one.
+    fn count(&mut self, pass: Pass, bytes: usize) {
+        if let Some(l) = self.ledger_mut() {
+            l.count(pass, bytes);
+        }
     }
     /// Polls for completions; when nothing happened, backs off briefly. Fails when nothing has
     /// happened for the timeout, naming `waiting_on`.
@@ -183,6 +231,10 @@ pub(crate) fn settle(link: &mut dyn Link, range: &[u8]) -> Result<()> {
         None => Ok(()),
     }
 }
+
+/// What a relay does ([`Link::try_relay`]): writes the next send from a received chunk
+/// (`f(received, slot)`).
+pub type Relay<'a> = dyn FnMut(&[u8], &mut [u8]) -> Result<()> + 'a;
 
 /// What carries a link's chunks: a fact transports report, from which the collectives choose
 /// their algorithms and thresholds (`collectives/tuning.rs`).
@@ -276,6 +328,8 @@ pub trait Transport: Link + Send {
     fn note_progress(&mut self);
     /// What it holds now.
     fn holds(&self) -> Holdings;
+    /// Its pass ledger since it was made.
+    fn ledger(&self) -> Ledger;
     /// Hands over, drained, the connections to `members` (ranks of this link, in the order of
     /// the next generation, `epoch`) that can serve it, within `until`; each member calls it at
     /// once (`Comm::shrink`). None by default (a transport whose connections cannot move).

@@ -58,6 +58,9 @@ impl ShmTransport {
             shares_memory: true,
             // A take frees the peer's slot at once: its next post may be waiting for it.
             takes_return_credits: true,
+            relays: true,
+            // The reader publishes each take at once.
+            window: rings.slots() - 1,
             ..Props::new(
                 cfg.rank,
                 cfg.world_size,
@@ -137,6 +140,32 @@ impl Link for ShmTransport {
         }
     }
 
+    fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        match self.rings.try_relay(from, to, len, f) {
+            Ok(moved) => {
+                if moved {
+                    self.pacer.progress();
+                }
+                Ok(moved)
+            }
+            Err((p, f)) => Err(blame(&mut self.watch, p, f)),
+        }
+    }
+
+    fn sends_in_place(&self, _data: &[u8]) -> bool {
+        false
+    }
+
+    fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
+        Some(&mut self.rings.ledger)
+    }
+
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
         self.watch.waiting_on(Some(waiting_on));
         self.watch.poll_sometimes()?;
@@ -192,5 +221,8 @@ impl crate::transport::Transport for ShmTransport {
     fn note_progress(&mut self) {}
     fn holds(&self) -> crate::transport::Holdings {
         self.rings.holds()
+    }
+    fn ledger(&self) -> crate::transport::Ledger {
+        self.rings.ledger
     }
 }

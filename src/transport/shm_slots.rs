@@ -17,6 +17,7 @@ use crate::bootstrap::{Reader, SideChannel};
 use crate::error::{Error, Peer, Result};
 use crate::transport::numbering::Numbering;
 use crate::transport::op::{self, OpDesc, Partners};
+use crate::transport::{Ledger, Pass};
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -382,6 +383,7 @@ impl Pending {
             chunk,
             ring,
             numbering: Numbering::new(me, n),
+            ledger: Ledger::default(),
         })
     }
 }
@@ -403,6 +405,8 @@ pub(crate) struct Slots {
     /// The operation under way and its numbers with each peer (every slot carries its
     /// descriptor; the first of an operation from a peer is checked).
     numbering: Numbering,
+    /// What its posts did to the bytes (copies in, bytes on the wire).
+    pub(crate) ledger: Ledger,
 }
 
 impl Slots {
@@ -430,6 +434,11 @@ impl Slots {
         &self.hosts
     }
 
+    /// The slots of each ring.
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
     /// The largest chunk.
     pub(crate) fn chunk(&self) -> usize {
         self.chunk
@@ -446,9 +455,10 @@ impl Slots {
         w * self.ring + COUNTERS + (k as usize % self.slots) * (HEAD + self.chunk)
     }
 
-    /// Posts `data` (at most [`Slots::chunk`] bytes) to same-host peer `p` if a slot is free.
-    pub(crate) fn try_post(&mut self, p: usize, data: &[u8]) -> std::result::Result<bool, Fault> {
-        assert!(data.len() <= self.chunk, "a chunk larger than max_chunk");
+    /// The body of the next slot to same-host peer `p`, its header written for `len` bytes (at
+    /// most [`Slots::chunk`]), if one is free: fill it, then [`Slots::publish`] it.
+    fn claim(&mut self, p: usize, len: usize) -> std::result::Result<Option<*mut u8>, Fault> {
+        assert!(len <= self.chunk, "a chunk larger than max_chunk");
         let me = self.my_local;
         let st = self.state[p].as_ref().expect("a same-host peer");
         let seg = self.theirs[p].as_ref().expect("its segment is mapped");
@@ -460,7 +470,7 @@ impl Slots {
             )));
         }
         if k - taken >= self.slots as u64 {
-            return Ok(false);
+            return Ok(None);
         }
         let slot = self.slot_at(me, k);
         let desc = self.numbering.desc_to(p);
@@ -468,14 +478,58 @@ impl Slots {
         // took chunk k - slots (checked above) and reads this slot only after we publish k + 1.
         unsafe {
             let head = std::slice::from_raw_parts_mut(seg.at(slot), HEAD);
-            head[..4].copy_from_slice(&(data.len() as u32).to_le_bytes());
+            head[..4].copy_from_slice(&(len as u32).to_le_bytes());
             head[DESC_AT..DESC_AT + op::WIRE].copy_from_slice(&desc);
-            let body = std::slice::from_raw_parts_mut(seg.at(slot + HEAD), data.len());
-            crate::copy::copy(body, data);
         }
-        seg.counter(self.posted_at(me))
-            .store(k + 1, Ordering::Release);
-        self.state[p].as_mut().expect("a same-host peer").posted = k + 1;
+        Ok(Some(seg.at(slot + HEAD)))
+    }
+
+    /// Publishes the slot [`Slots::claim`] gave for `p`, of `len` bytes.
+    fn publish(&mut self, p: usize, len: usize) {
+        let at = self.posted_at(self.my_local);
+        let st = self.state[p].as_mut().expect("a same-host peer");
+        let seg = self.theirs[p].as_ref().expect("its segment is mapped");
+        st.posted += 1;
+        seg.counter(at).store(st.posted, Ordering::Release);
+        self.ledger.count(Pass::Wire, len);
+    }
+
+    /// Posts `data` (at most [`Slots::chunk`] bytes) to same-host peer `p` if a slot is free.
+    pub(crate) fn try_post(&mut self, p: usize, data: &[u8]) -> std::result::Result<bool, Fault> {
+        let Some(body) = self.claim(p, data.len())? else {
+            return Ok(false);
+        };
+        // SAFETY: the claimed slot's body, data.len() <= chunk bytes, ours until published.
+        crate::copy::copy(
+            unsafe { std::slice::from_raw_parts_mut(body, data.len()) },
+            data,
+        );
+        self.ledger.count(Pass::CopyIn, data.len());
+        self.publish(p, data.len());
+        Ok(true)
+    }
+
+    /// Takes the next chunk from same-host peer `from` and posts to `to` the `len` bytes `f`
+    /// writes from it straight into the slot ([`crate::transport::Link::try_relay`]). A fault
+    /// names the peer it came from.
+    pub(crate) fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> std::result::Result<bool, (usize, Fault)> {
+        let Some(body) = self.claim(to, len).map_err(|e| (to, e))? else {
+            return Ok(false);
+        };
+        // SAFETY: the claimed slot's body (len <= chunk), in `to`'s segment, which no chunk
+        // from `from` lies in; ours until published.
+        let out = unsafe { std::slice::from_raw_parts_mut(body, len) };
+        let took = self.try_take(from, &mut |src: &[u8]| f(src, out));
+        if !took.map_err(|e| (from, e))? {
+            return Ok(false);
+        }
+        self.publish(to, len);
         Ok(true)
     }
 

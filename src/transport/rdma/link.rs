@@ -137,20 +137,31 @@ impl RdmaTransport {
     }
 }
 
-impl Link for RdmaTransport {
-    fn props(&self) -> &crate::transport::Props {
-        &self.props
-    }
+/// What a post sends: the caller's bytes, or bytes a relay writes straight into the slot.
+pub(super) enum Source<'a> {
+    /// The caller's bytes (copied into the staging slot, or sent from a lent or registered
+    /// buffer).
+    Data(&'a [u8]),
+    /// `len` bytes written into the staging slot by the closure.
+    Fill(usize, &'a mut dyn FnMut(&mut [u8]) -> Result<()>),
+}
 
-    fn peer(&self, rank: usize) -> Peer {
-        self.watch.peer(rank)
-    }
+/// A chunk that has landed and is not taken yet: where its bytes lie in the peer's buffer.
+pub(super) struct Arrival {
+    /// Offset of its bytes after the descriptor, and their length.
+    off: usize,
+    len: usize,
+    /// The credits a mailbox trailer carried.
+    mailbox_consumed: Option<u64>,
+}
 
-    fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
-        if data.len() > self.layout.slot {
+impl RdmaTransport {
+    /// Whether a chunk of `len` bytes may be posted to `p` now: connected, within its credits
+    /// and with room in the send queue.
+    fn post_room(&mut self, p: usize, len: usize) -> Result<bool> {
+        if len > self.layout.slot {
             return Err(Error::InvalidArgument(format!(
-                "a chunk of {} bytes posted to rank {p}, past the {}-byte slot (max_chunk)",
-                data.len(),
+                "a chunk of {len} bytes posted to rank {p}, past the {}-byte slot (max_chunk)",
                 self.layout.slot
             )));
         }
@@ -169,7 +180,7 @@ impl Link for RdmaTransport {
             return Err(self.fail(p, e));
         }
         let mut credits = word.max(st.peer_consumed);
-        let (k, consumed) = (st.sent, st.consumed);
+        let k = st.sent;
         if !protocol::has_credit(k, credits, slots) {
             // Credits ride on chunks that arrived but are not taken yet: on receive
             // completions (seen when polled) and in mailbox trailers (seen only here).
@@ -178,9 +189,26 @@ impl Link for RdmaTransport {
         }
         let st = self.state(p);
         let sq_room = st.wr_posted - st.wr_done + 2 < connect::send_depth(slots as usize) as u64;
-        if !protocol::may_post(k, credits, st.send_done, slots) || !sq_room {
-            return Ok(false);
+        Ok(protocol::may_post(k, credits, st.send_done, slots) && sq_room)
+    }
+
+    /// The buffer region (lent or registered) a post of `data` may send straight from.
+    fn region_of(&self, data: &[u8]) -> Option<&LentRegion> {
+        if data.len() <= MAX_INLINE as usize {
+            // Small enough to go inline: copied at post time, no settling needed.
+            return None;
         }
+        self.lent
+            .iter()
+            .chain(self.registered.iter().map(|(_, r)| r))
+            .find(|r| r.contains(data))
+    }
+
+    /// Posts `src` to `p`, whose room [`RdmaTransport::post_room`] found.
+    fn post_chunk(&mut self, p: usize, src: Source<'_>) -> Result<()> {
+        let slots = self.layout.slots as u64;
+        let st = self.state(p);
+        let (k, consumed) = (st.sent, st.consumed);
         // The operation's first chunk to p carries its descriptor just ahead of the data.
         let head = if self.numbering.first_to(p) {
             op::WIRE
@@ -188,17 +216,15 @@ impl Link for RdmaTransport {
             0
         };
         let desc = self.numbering.desc_to(p);
-        // A lent or registered buffer sends straight from memory, but a chunk small enough to
-        // go inline is copied at post time (by mailbox up to 56 bytes) and needs no settling.
-        let region = if data.len() > MAX_INLINE as usize {
-            self.lent
-                .iter()
-                .chain(self.registered.iter().map(|(_, r)| r))
-                .find(|r| r.contains(data))
-        } else {
-            None
+        let data_len = match &src {
+            Source::Data(d) => d.len(),
+            Source::Fill(len, _) => *len,
         };
-        let to_mailbox = region.is_none() && head + data.len() <= mailbox::MAX_PAYLOAD;
+        let region = match &src {
+            Source::Data(d) => self.region_of(d).map(|r| r.lkey()),
+            Source::Fill(..) => None,
+        };
+        let to_mailbox = region.is_none() && head + data_len <= mailbox::MAX_PAYLOAD;
         let off = self.layout.send_off(k);
         let buf = &mut self.peers[p].as_mut().expect("connected").buf;
         let staging_key = buf.lkey_at(off, 0);
@@ -209,48 +235,61 @@ impl Link for RdmaTransport {
         };
         if head > 0 {
             // SAFETY: send slots are registered for local access only (no peer writes them),
-            // and may_post above found this slot's previous write completed (the device is done
+            // and may_post found this slot's previous write completed (the device is done
             // reading it).
             unsafe { buf.slice_mut(off - head, head) }.copy_from_slice(&desc);
         }
-        let mut len = head + data.len();
-        let (sges, zero_copy) = match region {
+        let mut len = head + data_len;
+        let mut copied = 0;
+        let none = Sge {
+            len: 0,
+            ..staged_head
+        };
+        let (sges, zero_copy) = match (region, src) {
             // The descriptor from the staging slot, then the data from the caller's memory.
-            Some(r) => {
+            (Some(lkey), Source::Data(data)) => {
                 let from = Sge {
-                    lkey: r.lkey(),
+                    lkey,
                     addr: data.as_ptr() as u64,
                     len: data.len() as u32,
                 };
-                ([staged_head, from], true)
+                ([staged_head, from], Some(data))
             }
-            None => {
-                let none = Sge {
-                    len: 0,
+            (_, src) if to_mailbox => {
+                let mut payload = [0u8; mailbox::MAX_PAYLOAD];
+                payload[..head].copy_from_slice(&desc[..head]);
+                match src {
+                    Source::Data(data) => {
+                        payload[head..len].copy_from_slice(data);
+                        copied = data_len;
+                    }
+                    Source::Fill(_, f) => f(&mut payload[head..len])?,
+                }
+                // SAFETY: this rank's send slot, free (as for the descriptor above).
+                let out = unsafe { buf.slice_mut(off, ENTRY) };
+                len = mailbox::encode(k, consumed, &payload[..len], out);
+                let at = Sge {
+                    lkey: staging_key,
+                    addr: buf.addr() + off as u64,
+                    len: len as u32,
+                };
+                ([at, none], None)
+            }
+            (_, src) => {
+                // SAFETY: this rank's send slot, free (as for the descriptor above).
+                let slot = unsafe { buf.slice_mut(off, data_len) };
+                match src {
+                    Source::Data(data) => {
+                        crate::copy::copy(slot, data);
+                        copied = data_len;
+                    }
+                    Source::Fill(_, f) => f(slot)?,
+                }
+                let whole = Sge {
+                    len: len as u32,
                     ..staged_head
                 };
-                if to_mailbox {
-                    let mut payload = [0u8; mailbox::MAX_PAYLOAD];
-                    payload[..head].copy_from_slice(&desc[..head]);
-                    payload[head..len].copy_from_slice(data);
-                    // SAFETY: this rank's send slot, free (as for the descriptor above).
-                    let out = unsafe { buf.slice_mut(off, ENTRY) };
-                    len = mailbox::encode(k, consumed, &payload[..len], out);
-                    let at = Sge {
-                        lkey: staging_key,
-                        addr: buf.addr() + off as u64,
-                        len: len as u32,
-                    };
-                    ([at, none], false)
-                } else {
-                    // SAFETY: this rank's send slot, free (as for the descriptor above).
-                    crate::copy::copy(unsafe { buf.slice_mut(off, data.len()) }, data);
-                    let whole = Sge {
-                        len: len as u32,
-                        ..staged_head
-                    };
-                    ([whole, none], false)
-                }
+                ([whole, none], None)
             }
         };
         let (remote_off, imm) = if to_mailbox {
@@ -260,35 +299,35 @@ impl Link for RdmaTransport {
             let imm = protocol::immediate(k, consumed);
             (self.layout.recv_off(k) - head, Some(imm))
         };
-        let quiet = !zero_copy && len <= MAX_INLINE as usize;
+        let quiet = zero_copy.is_none() && len <= MAX_INLINE as usize;
         let wr = self.state(p).wr_posted;
         self.state(p).chunk_wr[(k % slots) as usize] = if quiet { FREE_AT_POST } else { wr };
         self.post_from(p, KIND_DATA, &sges, remote_off, imm, quiet)?;
-        if zero_copy {
+        if let Some(data) = zero_copy {
             if self.zc.len() == self.zc.capacity() {
                 self.retire_zero_copy(); // often room enough again: no reallocation
             }
             let a = data.as_ptr() as usize;
             self.zc.push_back((p, k, a, a + data.len()));
         }
+        self.ledger.count(Pass::CopyIn, copied);
+        self.ledger.count(Pass::Wire, data_len);
         self.numbering.posted_to(p);
         let st = self.state(p);
         st.returned = consumed;
         st.sent += 1;
         st.retire_sends();
         self.made_progress();
-        // Look at the completion queue (a user-space read) after every post, so a caller that
-        // keeps posting still sees, and takes, what arrived meanwhile (on rxe a post takes long
-        // enough for the peer's chunks to land); idle turns poll in `progress`.
-        self.poll()?;
-        Ok(true)
+        Ok(())
     }
 
-    fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+    /// The next chunk from `p`, if it has landed (its descriptor checked, its length within
+    /// what `p` may write).
+    fn arrival(&mut self, p: usize) -> Result<Option<Arrival>> {
         if self.peers[p].is_none() {
             self.reach(p)?;
             if self.peers[p].is_none() {
-                return Ok(false);
+                return Ok(None);
             }
         }
         let slots = self.layout.slots as u64;
@@ -307,7 +346,7 @@ impl Link for RdmaTransport {
             (self.layout.recv_off(k) - head, by_imm as usize, None)
         } else {
             let Some((len, entry, low)) = self.landed(p, k) else {
-                return Ok(false);
+                return Ok(None);
             };
             let consumed = Some(protocol::below(sent, low));
             (
@@ -343,18 +382,39 @@ impl Link for RdmaTransport {
                 return Err(self.watch.mismatch(p, why));
             }
         }
-        // SAFETY: as for the descriptor: an arrived chunk, its slot not yet given back.
-        f(unsafe {
+        Ok(Some(Arrival {
+            off: off + head,
+            len: len - head,
+            mailbox_consumed,
+        }))
+    }
+
+    /// The bytes of an arrived chunk from `p`.
+    ///
+    /// # Safety
+    /// `a` must be `p`'s next chunk, found by [`RdmaTransport::arrival`] and not yet given back
+    /// by [`RdmaTransport::took`], and the slice must not outlive that.
+    unsafe fn arrived_bytes(&self, p: usize, a: &Arrival) -> *const [u8] {
+        // SAFETY: an arrived chunk, its slot not yet given back (the caller's contract): the
+        // writer may not write it again until we return its credit.
+        let s = unsafe {
             self.peers[p]
                 .as_ref()
                 .expect("connected")
                 .buf
-                .slice(off + head, len - head)
-        })?;
+                .slice(a.off, a.len)
+        };
+        s as *const [u8]
+    }
+
+    /// Frees the slot of `p`'s chunk `a`, returning credits when due.
+    fn took(&mut self, p: usize, a: Arrival) -> Result<()> {
+        let slots = self.layout.slots as u64;
         self.numbering.took_from(p);
         let st = self.state(p);
+        let slot = (st.consumed % slots) as usize;
         st.lens[slot] = EMPTY;
-        if let Some(c) = mailbox_consumed {
+        if let Some(c) = a.mailbox_consumed {
             st.peer_consumed = st.peer_consumed.max(c);
         }
         let st = self.state(p);
@@ -365,7 +425,7 @@ impl Link for RdmaTransport {
         // small operations finish without a credit write on their critical path.
         if !protocol::return_due(consumed, st.returned, slots) {
             self.made_progress();
-            return Ok(true);
+            return Ok(());
         }
         // An HCA frees send-queue entries only as their completions are polled, and a rank
         // that takes chunks from mailboxes without ever waiting never polls: make room first.
@@ -386,12 +446,78 @@ impl Link for RdmaTransport {
         unsafe { self.state(p).buf.slice_mut(tmp_off, 8) }.copy_from_slice(&consumed.to_le_bytes());
         self.post(p, KIND_CREDIT, tmp_off, 8, credit_remote, None)?;
         self.made_progress();
+        Ok(())
+    }
+}
+
+impl Link for RdmaTransport {
+    fn props(&self) -> &crate::transport::Props {
+        &self.props
+    }
+
+    fn peer(&self, rank: usize) -> Peer {
+        self.watch.peer(rank)
+    }
+
+    fn try_post(&mut self, p: usize, data: &[u8]) -> Result<bool> {
+        if !self.post_room(p, data.len())? {
+            return Ok(false);
+        }
+        self.post_chunk(p, Source::Data(data))?;
+        // Look at the completion queue (a user-space read) after every post, so a caller that
+        // keeps posting still sees, and takes, what arrived meanwhile (on rxe a post takes long
+        // enough for the peer's chunks to land); idle turns poll in `progress`.
+        self.poll()?;
+        Ok(true)
+    }
+
+    fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        if !self.post_room(to, len)? {
+            return Ok(false);
+        }
+        let Some(a) = self.arrival(from)? else {
+            return Ok(false);
+        };
+        // SAFETY: `a` is `from`'s next chunk, given back only by `took` below, after the last
+        // use of `src` (the fill runs inside post_chunk, which frees no receive slot).
+        let src = unsafe { &*self.arrived_bytes(from, &a) };
+        self.post_chunk(to, Source::Fill(len, &mut |out| f(src, out)))?;
+        self.took(from, a)?;
+        self.poll()?;
+        Ok(true)
+    }
+
+    fn sends_in_place(&self, data: &[u8]) -> bool {
+        self.region_of(data).is_some()
+    }
+
+    fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
+        Some(&mut self.ledger)
+    }
+
+    fn try_take(&mut self, p: usize, f: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<bool> {
+        let Some(a) = self.arrival(p)? else {
+            return Ok(false);
+        };
+        // SAFETY: `a` is `p`'s next chunk, given back only by `took`, after `f` returned.
+        f(unsafe { &*self.arrived_bytes(p, &a) })?;
+        self.took(p, a)?;
         Ok(true)
     }
 
     fn try_take_into(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
         self.settle_range(dst)?;
-        self.try_take(p, &mut |src: &[u8]| copy_chunk(src, dst, p))
+        let took = self.try_take(p, &mut |src: &[u8]| copy_chunk(src, dst, p))?;
+        if took {
+            self.ledger.count(Pass::CopyOut, dst.len());
+        }
+        Ok(took)
     }
 
     fn lending(&mut self) -> Option<&mut dyn Lending> {
@@ -487,6 +613,9 @@ impl crate::transport::Transport for RdmaTransport {
             tcp: Vec::new(),
             rdma: RdmaTransport::keep(self, members, epoch, until),
         }
+    }
+    fn ledger(&self) -> Ledger {
+        self.ledger
     }
     fn holds(&self) -> crate::transport::Holdings {
         crate::transport::Holdings {

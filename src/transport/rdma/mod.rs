@@ -55,7 +55,7 @@ use crate::transport::op::{self, OpDesc, Partners};
 use crate::transport::pacer::{self, oversubscribed, Pacer, Wait};
 use crate::transport::reach;
 use crate::transport::watch::Watch;
-use crate::transport::{copy_chunk, Lending, Link, Medium, Props};
+use crate::transport::{copy_chunk, Ledger, Lending, Link, Medium, Pass, Props};
 use crate::verbs::queue::MAX_INLINE;
 use crate::verbs::{
     self, AsyncEvent, CompletionQueue, Device, Endpoint, LentRegion, RcQueuePair, RegisteredBuffer,
@@ -201,6 +201,8 @@ pub struct RdmaTransport {
     /// each way carries its descriptor.
     numbering: Numbering,
     props: Props,
+    /// What its posts and takes did to the bytes.
+    ledger: Ledger,
 }
 
 impl RdmaTransport {

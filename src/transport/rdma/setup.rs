@@ -123,6 +123,9 @@ impl RdmaTransport {
         let props = Props {
             takes_return_credits: true,
             peers_max: crate::transport::PEER_MEMORY / layout.total(),
+            relays: true,
+            // A sender sees a take only once its credit comes back (half the slots at a time).
+            window: layout.slots - (layout.slots / 2).max(1),
             ..Props::new(cfg.rank, cfg.world_size, layout.slot, Medium::Rdma)
         };
         let mut t = RdmaTransport {
@@ -164,6 +167,7 @@ impl RdmaTransport {
             sel,
             numbering: Numbering::new(cfg.rank, cfg.world_size),
             props,
+            ledger: Ledger::default(),
         };
         if cfg.connect == Connect::Eager {
             t.connect_all()?;

@@ -12,13 +12,17 @@ impl RdmaTransport {
     }
 
     /// Registers `buf` as a source of zero-copy sends (a lending or a registration).
-    pub(super) fn register_source(&self, buf: &[u8]) -> Result<LentRegion> {
+    pub(super) fn register_source(&mut self, buf: &[u8]) -> Result<LentRegion> {
+        let t0 = Instant::now();
         // SAFETY: the device only reads this memory (sends from it) and the registration pins
         // its pages while it lives, so a buffer freed too early gets stale bytes sent, never
         // freed memory touched. Its key is used only while it lives: a lending ends in
         // release(), a registration in unregister(), both between operations, after finish()
         // completed their writes (after a failure, a WR still using it fails locally).
-        unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) }
+        let r = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) };
+        self.ledger.registrations += 1;
+        self.ledger.registration_ns += t0.elapsed().as_nanos() as u64;
+        r
     }
 
     pub(super) fn lend_source(&mut self, buf: &[u8]) {

@@ -1,6 +1,7 @@
 //! The TCP data path: pumping sockets, framing chunks out and in, waiting in poll(2), health.
 
 use super::*;
+use crate::transport::Pass;
 
 impl TcpTransport {
     /// Moves bytes: writes what is queued, reads what has arrived. Returns whether any moved.
@@ -116,6 +117,11 @@ impl Link for TcpTransport {
         if done < parts.iter().map(|x| x.len()).sum() {
             c.out.keep_rest(&parts, done);
         }
+        // The payload the socket did not take at once was copied into the send queue.
+        let queued = data.len() - done.saturating_sub(HDR).min(data.len());
+        self.ledger.count(Pass::CopyIn, queued);
+        self.ledger.count(Pass::Kernel, data.len());
+        self.ledger.count(Pass::Wire, data.len());
         Ok(true)
     }
 
@@ -148,6 +154,7 @@ impl Link for TcpTransport {
         }
         f(&avail[HDR..HDR + len])?;
         c.inp.consume(frame);
+        self.ledger.count(Pass::Kernel, len);
         self.pacer.progress();
         Ok(true)
     }
@@ -232,6 +239,7 @@ impl Link for TcpTransport {
             let k = (avail.len() - HDR).min(len + tail);
             let copied = k.min(len);
             crate::copy::copy(&mut dst[..copied], &avail[HDR..HDR + copied]);
+            self.ledger.count(Pass::CopyOut, copied);
             c.inp.consume(HDR + k);
             c.direct = Direct::Placing {
                 placed: k + early,
@@ -280,8 +288,17 @@ impl Link for TcpTransport {
             return Ok(false);
         }
         c.direct = Direct::Off;
+        self.ledger.count(Pass::Kernel, len);
         self.pacer.progress();
         Ok(true)
+    }
+
+    fn sends_in_place(&self, _data: &[u8]) -> bool {
+        true
+    }
+
+    fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
+        Some(&mut self.ledger)
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
@@ -379,6 +396,9 @@ impl crate::transport::Transport for TcpTransport {
             tcp: TcpTransport::keep(self, members, epoch, until),
             rdma: None,
         }
+    }
+    fn ledger(&self) -> crate::transport::Ledger {
+        self.ledger
     }
     fn holds(&self) -> crate::transport::Holdings {
         crate::transport::Holdings {

@@ -153,6 +153,8 @@ pub struct TcpTransport {
     events: Vec<Event>,
     /// When a wait looks at the listener (a peer may dial while we wait on another).
     lookout: Lookout,
+    /// What its posts and takes did to the bytes.
+    ledger: crate::transport::Ledger,
 }
 
 impl TcpTransport {

@@ -144,6 +144,7 @@ impl TcpTransport {
             dialer,
             events: Vec::new(),
             lookout: Lookout::default(),
+            ledger: Default::default(),
         })
     }
 
