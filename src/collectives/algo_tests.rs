@@ -279,9 +279,14 @@ fn relayed_rings_give_the_same_bits() {
     for n in 2..=8 {
         for (slots, chunk) in [(1, 8), (2, 8), (2, 64), (3, 64), (4, 4096)] {
             for &elems in &LENGTHS {
-                let run = |relay: bool| {
+                // 0: no relays; 1: every rank relays; 2: the odd ranks send in place (as from
+                // a buffer only they registered) in the same order of segments.
+                let run = |relay: u8| {
                     let links = mesh(n, slots, chunk, None);
-                    let links = if relay { relaying(links) } else { links };
+                    let mut links = if relay > 0 { relaying(links) } else { links };
+                    for l in links.iter_mut().skip(1).step_by(2) {
+                        l.in_place = relay == 2;
+                    }
                     on_every_rank(links, move |l: &mut MemLink| {
                         let r = crate::transport::Link::rank(l);
                         let (op, t) = (AllReduce::Sum, DType::f32);
@@ -298,7 +303,11 @@ fn relayed_rings_give_the_same_bits() {
                         (a, rs, ag, l.ledger)
                     })
                 };
-                let (plain, relayed) = (run(false), run(true));
+                let (plain, relayed, some) = (run(0), run(1), run(2));
+                for (r, (p, q)) in plain.iter().zip(&some).enumerate() {
+                    let what = format!("{n} ranks, {slots} x {chunk} B, x{elems}, odd in place");
+                    assert_eq!((&p.0, &p.1, &p.2), (&q.0, &q.1, &q.2), "{what}: rank {r}");
+                }
                 let what = format!("{n} ranks, {slots} x {chunk} B, x{elems}");
                 for (r, (p, q)) in plain.iter().zip(&relayed).enumerate() {
                     assert_eq!(p.0, q.0, "{what}: rank {r}'s all_reduce bits");

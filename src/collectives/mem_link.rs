@@ -24,6 +24,8 @@ pub(crate) struct MemLink {
     pub(crate) used: std::collections::BTreeSet<usize>,
     /// What its posts and takes did to the bytes.
     pub(crate) ledger: crate::transport::Ledger,
+    /// Whether its posts count as sent in place (as from a buffer registered on this rank alone).
+    pub(crate) in_place: bool,
 }
 
 /// How long a wait without progress lasts before it fails (a deadlock in an algorithm).
@@ -46,6 +48,7 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
             idle_since: Instant::now(),
             used: Default::default(),
             ledger: Default::default(),
+            in_place: false,
         })
         .collect()
 }
@@ -137,7 +140,7 @@ impl Link for MemLink {
         Ok(true)
     }
     fn sends_in_place(&self, _data: &[u8]) -> bool {
-        !self.props.relays
+        !self.props.relays || self.in_place
     }
     fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
         Some(&mut self.ledger)

@@ -69,7 +69,7 @@ impl Algo {
     /// `limits` ([`tuning::limits`]) and whose peers share memory or not (`shared`): one step up
     /// to [`DIRECT_MAX_BYTES`] where they share it, doubling up to the doubling limit, then
     /// hierarchical where the link's hosts form a regular layout (`layered`, [`hier::Layout`]),
-    /// else halving-doubling on a power of two, and on other worlds up to the fold limit (where
+    /// the ring past [`tuning::Limits::ring_min`] (a link that relays), else halving-doubling on a power of two, and on other worlds up to the fold limit (where
     /// the ring's 2 (n - 1) steps cost more than folding the extra ranks in), then the ring.
     pub(crate) fn choose(
         self,
@@ -83,6 +83,7 @@ impl Algo {
             Algo::Auto if shared && n > 2 && bytes <= DIRECT_MAX_BYTES => Algo::Direct,
             Algo::Auto if bytes <= limits.doubling_max => Algo::Doubling,
             Algo::Auto if layered && bytes > limits.hier_min => Algo::Hierarchical,
+            Algo::Auto if bytes > limits.ring_min => Algo::Ring,
             Algo::Auto if n.is_power_of_two() || bytes <= limits.fold_max => Algo::Halving,
             Algo::Auto => Algo::Ring,
             a => a,
@@ -142,13 +143,32 @@ mod tests {
             doubling_max: DOUBLING_MAX_BYTES,
             fold_max: 0,
             hier_min: 0,
+            ring_min: usize::MAX,
         };
         let lim = |doubling_max| tuning::Limits {
             doubling_max,
             fold_max: 0,
             hier_min: 0,
+            ring_min: usize::MAX,
         };
         let dd = DOUBLING_MAX_BYTES;
+        // Where the link relays: the ring past its limit (from the doubling limit on 2 ranks).
+        assert_eq!(
+            auto.choose(4, 1 << 20, d.relaying(4), false, false),
+            Algo::Halving
+        );
+        assert_eq!(
+            auto.choose(4, (1 << 20) + 1, d.relaying(4), false, false),
+            Algo::Ring
+        );
+        assert_eq!(
+            auto.choose(2, dd + 1, d.relaying(2), false, false),
+            Algo::Ring
+        );
+        assert_eq!(
+            auto.choose(2, dd, d.relaying(2), false, false),
+            Algo::Doubling
+        );
         assert_eq!(
             auto.choose(4, DIRECT_MAX_BYTES, d, true, false),
             Algo::Direct

@@ -129,13 +129,16 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     // Where posts are staged, a received segment is reduced (or copied) straight into the
     // next send's slot: one pass where a take and a post would make two. A relay keeps at
     // most the link's window ahead, so that no rank waits in a circle for room.
+    // The order of segments is the link's, alike on every rank; whether this rank relays is
+    // its own (a buffer it registered sends in place).
     let props = link.props();
-    let relay = props.relays && props.window > 0 && plan.steps > 1 && !link.sends_in_place(buf);
-    let width = if relay {
-        link.props().window.clamp(1, nseg)
+    let grouped = props.relays && props.window > 0;
+    let width = if grouped {
+        props.window.clamp(1, nseg)
     } else {
         nseg
     };
+    let relay = grouped && plan.steps > 1 && !link.sends_in_place(buf);
     let units = Units {
         nseg,
         width,
@@ -157,7 +160,8 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
         // Posts from the buffer: a relay's dependent sends go with their receive instead.
         while sent < total && sent < recvd + width {
             let (s, j) = units.at(sent);
-            if relay && s > 0 {
+            // A later step's send waits for its segment's arrival, one group width back.
+            if s > 0 && (relay || sent >= recvd + units.width_of(sent)) {
                 break;
             }
             let (off, len) = seg_range(chunk_at(s), j);

@@ -57,14 +57,30 @@ pub fn limits(medium: Medium, n: usize) -> Limits {
         doubling_max: doubling_max(medium, n),
         fold_max: fold_max(medium, n),
         hier_min: 0,
+        ring_min: usize::MAX,
     }
 }
+
+/// Past this many bytes a link that relays ([`crate::transport::Props::relays`]) runs the ring
+/// rather than halving-doubling on more than 2 ranks: its relay saves nearly a CPU pass per
+/// wire byte (0.1 ns a byte at memory speed), which pays for the ring's 2 (n - 1) - 2 log2 n
+/// extra steps (a few microseconds each) from about a megabyte. On 2 ranks both take the same
+/// two steps, so the ring runs wherever doubling does not.
+pub const RELAY_RING_MIN: usize = 1 << 20;
 
 impl Limits {
     /// These limits on a world laid out as hosts of `local` ranks each ([`hier_min`]).
     pub fn on_hosts_of(self, local: usize) -> Limits {
         Limits {
             hier_min: hier_min(local),
+            ..self
+        }
+    }
+
+    /// These limits on a link of `n` ranks that relays ([`RELAY_RING_MIN`]).
+    pub fn relaying(self, n: usize) -> Limits {
+        Limits {
+            ring_min: if n == 2 { 0 } else { RELAY_RING_MIN },
             ..self
         }
     }
@@ -81,6 +97,8 @@ pub struct Limits {
     /// Hierarchical, where the hosts form a regular layout, only above this many bytes
     /// ([`hier_min`]).
     pub hier_min: usize,
+    /// The ring rather than halving-doubling above this many bytes ([`Limits::relaying`]).
+    pub ring_min: usize,
 }
 
 /// The largest all_reduce (bytes) run in one piece over `medium`: a larger one runs as

@@ -576,6 +576,10 @@ fn all_reduce(
         if let Some(h) = layout {
             limits = limits.on_hosts_of(h.local.len());
         }
+        // A link fact, alike on every rank (a registration is one rank's and must not steer).
+        if l.props().relays {
+            limits = limits.relaying(l.size());
+        }
         let (n, len, shared) = (l.size(), part.len(), l.props().shares_memory);
         match algo.choose(n, len, limits, shared, layout.is_some()) {
             Algo::Hierarchical => hier::all_reduce(l, layout, op, dtype, part, scratch)?,
