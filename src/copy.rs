@@ -31,6 +31,11 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
         src.len(),
         "copy between slices of different lengths"
     );
+    crate::workers::split2(dst, src, copy_serial);
+}
+
+/// [`copy`] on the calling thread alone.
+fn copy_serial(dst: &mut [u8], src: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     if dst.len() >= SIMD_MIN && kernel() == CopyKernel::Simd {
         // SAFETY: kernel() returns Simd only after simd_level() found AVX2 on this CPU.

@@ -56,6 +56,7 @@ pub mod unstable;
 mod verbs;
 #[cfg(any(feature = "nuvec", feature = "fuel"))]
 mod wide16;
+mod workers;
 
 pub use api::{Communicator, P2p};
 pub use comm::{Agreed, Comm};
@@ -78,3 +79,9 @@ pub fn kernels() -> String {
     )
 }
 pub use overlap::{Overlap, Pending};
+
+/// The threads that share a large copy or reduction in this process (`RDMACOMM_REDUCE_THREADS`,
+/// chosen by its first communicator; 1: the calling thread alone).
+pub fn reduce_threads() -> usize {
+    workers::threads()
+}

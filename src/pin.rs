@@ -19,6 +19,20 @@ pub enum Pin {
     Cores(Vec<usize>),
 }
 
+/// The cores local rank `local` of `nlocal` owns: its equal share of the allowed ones (one at
+/// least, shared where there are fewer cores than ranks).
+pub(crate) fn share(local: usize, nlocal: usize) -> Vec<usize> {
+    let all = allowed_cores();
+    let (c, l) = (all.len(), nlocal.max(1));
+    if c == 0 {
+        return Vec::new();
+    }
+    if c < l {
+        return vec![all[local % c]];
+    }
+    all[local * c / l..(local + 1) * c / l].to_vec()
+}
+
 /// The cores this process may run on, ascending.
 pub fn allowed_cores() -> Vec<usize> {
     core_affinity::get_core_ids()

@@ -301,6 +301,11 @@ pub fn reduce_into(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) -> R
 
 /// [`reduce_into`] without the checks, for the collectives' hot path (lengths already validated).
 pub(crate) fn reduce_unchecked(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
+    crate::workers::split2(acc, src, |a, s| reduce_serial(op, dtype, a, s));
+}
+
+/// [`reduce_unchecked`] on the calling thread alone.
+fn reduce_serial(op: AllReduce, dtype: DType, acc: &mut [u8], src: &[u8]) {
     debug_assert_eq!(acc.len(), src.len());
     let align = dtype.size();
     if (acc.as_ptr() as usize) % align == 0 && (src.as_ptr() as usize) % align == 0 {
@@ -338,24 +343,28 @@ pub(crate) fn reduce_to(
     keep: bool,
 ) {
     debug_assert!(out.len() == a.len() && a.len() == b.len());
-    let blocks = out.chunks_mut(FUSED_BLOCK).zip(a.chunks_mut(FUSED_BLOCK));
-    for ((o, x), y) in blocks.zip(b.chunks(FUSED_BLOCK)) {
-        o.copy_from_slice(x);
-        reduce_unchecked(op, dtype, o, y);
-        if keep {
-            x.copy_from_slice(o);
+    crate::workers::split3(out, a, b, |out, a, b| {
+        let blocks = out.chunks_mut(FUSED_BLOCK).zip(a.chunks_mut(FUSED_BLOCK));
+        for ((o, x), y) in blocks.zip(b.chunks(FUSED_BLOCK)) {
+            o.copy_from_slice(x);
+            reduce_serial(op, dtype, o, y);
+            if keep {
+                x.copy_from_slice(o);
+            }
         }
-    }
+    });
 }
 
 /// `out = src` and `a = src`: one read of `src`, block by block, for two places.
 pub(crate) fn copy_twice(out: &mut [u8], a: &mut [u8], src: &[u8]) {
     debug_assert!(out.len() == a.len() && a.len() == src.len());
-    let blocks = out.chunks_mut(FUSED_BLOCK).zip(a.chunks_mut(FUSED_BLOCK));
-    for ((o, x), y) in blocks.zip(src.chunks(FUSED_BLOCK)) {
-        o.copy_from_slice(y);
-        x.copy_from_slice(o);
-    }
+    crate::workers::split3(out, a, src, |out, a, src| {
+        let blocks = out.chunks_mut(FUSED_BLOCK).zip(a.chunks_mut(FUSED_BLOCK));
+        for ((o, x), y) in blocks.zip(src.chunks(FUSED_BLOCK)) {
+            o.copy_from_slice(y);
+            x.copy_from_slice(o);
+        }
+    });
 }
 
 /// The scalar reference of one combine, element by element (used by tests and `-c` checks):

@@ -299,6 +299,7 @@ fn a_bad_setting_on_one_rank_is_named_on_every_rank() {
             "RDMACOMM_ZERO_COPY_MIN",
         ),
         (1, "RDMACOMM_SIMD", "avx512", "use baseline or auto"),
+        (2, "RDMACOMM_REDUCE_THREADS", "0", "use 1 to 64 threads"),
     ];
     for (bad, var, val, want) in cases {
         let t0 = Instant::now();

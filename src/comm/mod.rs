@@ -168,6 +168,7 @@ impl Comm {
             }
             return Err(e);
         }
+        reduce_workers(cfg, local, nlocal);
         Ok(Comm::with_link_of(cfg.clone(), link, cfg.algo))
     }
 
@@ -625,6 +626,27 @@ fn kernels_as_asked(cfg: &Config) -> Result<()> {
         ))),
         _ => Ok(()),
     }
+}
+
+/// Makes the process's reduce workers once: as many as `cfg` asks, or the cores this rank owns
+/// (its share of the allowed ones among `nlocal` ranks on its host) up to 4, about what a
+/// 200 Gb/s link's byte work needs at memory speed. Pinned to that share where ranks are
+/// pinned (`RDMACOMM_PIN`).
+fn reduce_workers(cfg: &Config, local: usize, nlocal: usize) {
+    let share = crate::pin::share(local, nlocal);
+    let threads = cfg
+        .reduce_threads
+        .unwrap_or_else(|| share.len().clamp(1, 4));
+    let cores = if cfg.pin == crate::pin::Pin::Off {
+        Vec::new()
+    } else {
+        (0..threads).map(|k| share[k % share.len()]).collect()
+    };
+    let got = crate::workers::configure(threads, cores);
+    log::debug!(
+        "rank {}: {got} thread(s) share large copies and reductions",
+        cfg.rank
+    );
 }
 
 /// A panic's message, if it has one.

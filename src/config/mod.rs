@@ -93,6 +93,9 @@ pub struct Config {
     pub copy: Option<crate::copy::CopyKernel>,
     /// Portable reduction kernels only (`RDMACOMM_SIMD=baseline`).
     pub simd_baseline: bool,
+    /// Threads that share a large copy or reduction (`RDMACOMM_REDUCE_THREADS`, 1-64; `None`:
+    /// the cores this rank owns, up to 4). Chosen once per process, by its first communicator.
+    pub reduce_threads: Option<usize>,
     /// Bytes per staging slot (one RDMA write at most).
     pub slot_bytes: usize,
     /// Slots per peer and direction (writes in flight per peer).
@@ -237,6 +240,7 @@ impl Config {
             device: DeviceChoice::default(),
             copy: None,
             simd_baseline: false,
+            reduce_threads: None,
             slot_bytes: default_slot_bytes(world_size, DEFAULT_SLOTS),
             slots: DEFAULT_SLOTS,
             tcp_chunk: DEFAULT_TCP_CHUNK,

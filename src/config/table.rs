@@ -29,7 +29,7 @@ const fn set(name: &'static str, apply: fn(&mut Config, &str) -> Result<()>) -> 
 
 /// Every setting; applied in this order (`RDMACOMM_SLOTS` before `RDMACOMM_SLOT_BYTES`, whose
 /// default follows it).
-pub(crate) const SETTINGS: [Setting; 35] = [
+pub(crate) const SETTINGS: [Setting; 36] = [
     set("RDMACOMM_JOB_ID", |c, _| {
         c.job_id = job_id_from_env();
         Ok(())
@@ -164,6 +164,14 @@ pub(crate) const SETTINGS: [Setting; 35] = [
             "baseline" => true,
             _ => return Err(bad("RDMACOMM_SIMD", v, "use baseline or auto")),
         };
+        Ok(())
+    }),
+    set("RDMACOMM_REDUCE_THREADS", |c, v| {
+        let n: usize = parse_num("RDMACOMM_REDUCE_THREADS", v)?;
+        if !(1..=64).contains(&n) {
+            return Err(bad("RDMACOMM_REDUCE_THREADS", v, "use 1 to 64 threads"));
+        }
+        c.reduce_threads = Some(n);
         Ok(())
     }),
     set("RDMACOMM_DEBUG", |c, v| {
