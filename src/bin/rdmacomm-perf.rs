@@ -13,7 +13,7 @@
 //! whole buffer); sendrecv, broadcast and reduce algbw. Time is the slowest rank's mean per
 //! iteration.
 //!
-//! Under each row a `# ledger` line gives rank 0's CPU passes per wire byte over the timed
+//! Under each row (unless `--ledger 0`) a `# ledger` line gives rank 0's CPU passes per wire byte over the timed
 //! loop (copy-in + reduce + copy-out, from `Comm::ledger`), its user and system CPU
 //! nanoseconds per wire byte (`getrusage`), registrations per operation, and the busbw those
 //! passes allow on a 24 and a 48 GB/s link (200 and 400 Gb/s) at this host's copy and reduce
@@ -44,6 +44,8 @@ struct Opts {
     paired: bool,
     /// Measure overlap of an all_reduce with computation instead.
     overlap: bool,
+    /// Print the pass ledger under every row (`--ledger 0`: not, nor time the host's passes).
+    ledger: bool,
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -76,6 +78,7 @@ fn parse() -> Result<Opts, String> {
         nb: false,
         paired: false,
         overlap: false,
+        ledger: true,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -99,6 +102,7 @@ fn parse() -> Result<Opts, String> {
                 o.paired = v == "2";
             }
             "--overlap" => o.overlap = v != "0",
+            "--ledger" => o.ledger = v != "0",
             "--local" => o.local = Some(v.parse().map_err(|_| "bad --local")?),
             "-h" | "--help" => {
                 println!(
@@ -416,8 +420,12 @@ fn sweep(
 ) -> rdmacomm::Result<f64> {
     let (r, s) = (c.rank(), o.dtype.size());
     let mut sum_bus = 0.0;
-    let costs = if r == 0 { pass_costs() } else { (0.0, 0.0) };
-    if r == 0 {
+    let costs = if r == 0 && o.ledger {
+        pass_costs()
+    } else {
+        (0.0, 0.0)
+    };
+    if r == 0 && o.ledger {
         println!(
             "# this host: a copy {:.3} ns/B, a sum {:.3} ns/B over 64 MiB (past the caches)",
             costs.0, costs.1
@@ -488,7 +496,7 @@ fn sweep(
                 }
             );
         }
-        if let (0, Some((l, (u1, s1), (u0, s0)))) = (r, ledger) {
+        if let (0, true, Some((l, (u1, s1), (u0, s0)))) = (r, o.ledger, ledger) {
             let (cin, red, cout) = l.passes_per_wire_byte();
             let w = l.wire.max(1) as f64;
             println!(

@@ -127,17 +127,20 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     let seg = (link.props().max_chunk / plan.esize * plan.esize).max(plan.esize);
     let nseg = max_chunk_len.div_ceil(seg).max(1);
     // Where posts are staged, a received segment is reduced (or copied) straight into the
-    // next send's slot: one pass where a take and a post would make two. A relay keeps at
-    // most the link's window ahead, so that no rank waits in a circle for room.
+    // next send's slot: one pass where a take and a post would make two. Sends stay at most
+    // the link's window ahead of receives, so that no rank waits in a circle for room.
     // The order of segments is the link's, alike on every rank; whether this rank relays is
     // its own (a buffer it registered sends in place).
     let props = link.props();
     let grouped = props.relays && props.window > 0;
+    // Groups of half the window: the next group's first sends go while this one's last
+    // arrive, so the pipeline never drains at a group's end.
     let width = if grouped {
-        props.window.clamp(1, nseg)
+        props.window.div_ceil(2).clamp(1, nseg)
     } else {
         nseg
     };
+    let ahead = if grouped { props.window } else { nseg };
     let relay = grouped && plan.steps > 1 && !link.sends_in_place(buf);
     let units = Units {
         nseg,
@@ -158,7 +161,7 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
     while recvd < total || sent < total {
         let mut did = false;
         // Posts from the buffer: a relay's dependent sends go with their receive instead.
-        while sent < total && sent < recvd + width {
+        while sent < total && sent < recvd + ahead {
             let (s, j) = units.at(sent);
             // A later step's send waits for its segment's arrival, one group width back.
             if s > 0 && (relay || sent >= recvd + units.width_of(sent)) {
