@@ -398,11 +398,12 @@ fn pass_costs() -> (f64, f64) {
     (copy, sum)
 }
 
-/// The busbw (GB/s) one thread's passes allow on a link of `link` GB/s a direction: the CPU's
-/// time per wire byte and the wire's overlap, so the slower of the two sets the pace.
-fn predicted(l: &rdmacomm::Ledger, costs: (f64, f64), link: f64) -> f64 {
+/// The busbw (GB/s) the ledger's passes allow on a link of `link` GB/s a direction with
+/// `threads` sharing them: the CPU's time per wire byte and the wire's overlap (the NIC moves
+/// one chunk while the CPU works on another), so the slower of the two sets the pace.
+fn predicted(l: &rdmacomm::Ledger, costs: (f64, f64), link: f64, threads: usize) -> f64 {
     let (cin, red, cout) = l.passes_per_wire_byte();
-    let cpu = (cin + cout) * costs.0 + red * costs.1;
+    let cpu = ((cin + cout) * costs.0 + red * costs.1) / threads.max(1) as f64;
     if cpu <= 0.0 {
         return link;
     }
@@ -499,16 +500,20 @@ fn sweep(
         if let (0, true, Some((l, (u1, s1), (u0, s0)))) = (r, o.ledger, ledger) {
             let (cin, red, cout) = l.passes_per_wire_byte();
             let w = l.wire.max(1) as f64;
+            let k = rdmacomm::reduce_threads();
             println!(
                 "#   ledger: {:.3} passes/wire B (in {cin:.3} + reduce {red:.3} + out {cout:.3}), \
-                 cpu user {:.3} sys {:.3} ns/wire B, {:.2} registrations/op, 1 reduce worker; \
-                 busbw allowed at 24 GB/s {:.1}, at 48 GB/s {:.1}",
+                 cpu user {:.3} sys {:.3} ns/wire B, {:.2} registrations/op, {k} reduce \
+                 thread(s); busbw allowed at 24 GB/s {:.1} (4 threads {:.1}), at 48 GB/s {:.1} \
+                 (4 threads {:.1})",
                 l.passes(),
                 (u1 - u0) as f64 / w,
                 (s1 - s0) as f64 / w,
                 l.registrations as f64 / o.iters.max(1) as f64,
-                predicted(&l, costs, 24.0),
-                predicted(&l, costs, 48.0)
+                predicted(&l, costs, 24.0, k),
+                predicted(&l, costs, 24.0, 4),
+                predicted(&l, costs, 48.0, k),
+                predicted(&l, costs, 48.0, 4),
             );
         }
         if wrong > 0 {

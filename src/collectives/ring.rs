@@ -141,7 +141,8 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
         nseg
     };
     let ahead = if grouped { props.window } else { nseg };
-    let relay = grouped && plan.steps > 1 && !link.sends_in_place(buf);
+    let relay =
+        grouped && plan.steps > 1 && !link.sends_in_place(buf) && link.relays_between(left, right);
     let units = Units {
         nseg,
         width,

@@ -70,6 +70,9 @@ impl Link for Subset<'_> {
         self.link
             .try_relay(self.ranks[from], self.ranks[to], len, f)
     }
+    fn relays_between(&self, from: usize, to: usize) -> bool {
+        self.link.relays_between(self.ranks[from], self.ranks[to])
+    }
     fn sends_in_place(&self, data: &[u8]) -> bool {
         self.link.sends_in_place(data)
     }

@@ -112,9 +112,10 @@ pub(crate) fn connect_with(
                 max_chunk: rings.chunk(),
                 // A take on a ring frees the peer's slot at once: its next post may wait for it.
                 takes_return_credits: true,
-                // A relay between a ring and the network would need both at once: not made.
-                relays: false,
-                window: 0,
+                // Relays within the rings or within the network (not from one to the other),
+                // at the window both allow; segments go in the same order on every rank.
+                relays: net.props().relays,
+                window: net.props().window.min(rings.slots() - 1),
                 ..net.props().clone()
             };
             Box::new(HybridTransport {
@@ -226,8 +227,43 @@ impl Link for HybridTransport {
         Ok(took)
     }
 
-    fn sends_in_place(&self, _data: &[u8]) -> bool {
-        true
+    fn try_relay(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        match (self.local(from), self.local(to)) {
+            (false, false) => self.net.try_relay(from, to, len, f),
+            (true, true) => match self.rings.try_relay(from, to, len, f) {
+                Ok(moved) => {
+                    if moved {
+                        self.moved();
+                    }
+                    Ok(moved)
+                }
+                Err((p, f)) => Err(blame(self.net.watch_mut(), p, f)),
+            },
+            _ => Err(Error::InvalidArgument(format!(
+                "no relay from rank {from} to rank {to}: one is on this host, one is not"
+            ))),
+        }
+    }
+
+    fn relays_between(&self, from: usize, to: usize) -> bool {
+        if self.local(from) && self.local(to) {
+            true
+        } else if !self.local(from) && !self.local(to) {
+            self.net.relays_between(from, to)
+        } else {
+            false
+        }
+    }
+
+    fn sends_in_place(&self, data: &[u8]) -> bool {
+        // Posts to the rings copy; the network's may send from a registered buffer.
+        self.net.sends_in_place(data)
     }
 
     fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {

@@ -51,7 +51,7 @@ pub struct Props {
     pub peers_max: usize,
     /// Whether a post copies into the link's own send memory (an RDMA staging slot, a peer's
     /// shared-memory slot) and the link can fill that memory from a received chunk in the same
-    /// step ([`Link::try_relay`]).
+    /// step ([`Link::try_relay`]), between some peers at least ([`Link::relays_between`]).
     pub relays: bool,
     /// With [`Props::relays`]: the chunks a rank may have posted to a peer and not yet seen
     /// taken, past which a post may wait on that peer's takes (credits come back in batches).
@@ -148,6 +148,12 @@ pub trait Link {
         Err(crate::Error::InvalidArgument(
             "this link has no relay (Props::relays)".into(),
         ))
+    }
+    /// Whether [`Link::try_relay`] can take from `from` and post to `to` (a link that reaches
+    /// peers through two transports relays only within one). Only where [`Props::relays`].
+    fn relays_between(&self, from: usize, to: usize) -> bool {
+        let _ = (from, to);
+        self.props().relays
     }
     /// Whether a post from `data` goes out without a CPU copy (a registered or lent buffer, a
     /// socket write), so that staging it through [`Link::try_relay`] would add a pass.
