@@ -152,14 +152,11 @@ mod tests {
             ring_min: usize::MAX,
         };
         let dd = DOUBLING_MAX_BYTES;
-        // Where the link relays: the ring past its limit (from the doubling limit on 2 ranks).
+        // Where the link relays: the ring from the doubling limit on 2 ranks (on more, only
+        // past RELAY_RING_MIN: not by default).
         assert_eq!(
-            auto.choose(4, 1 << 20, d.relaying(4), false, false),
+            auto.choose(4, 64 << 20, d.relaying(4), false, false),
             Algo::Halving
-        );
-        assert_eq!(
-            auto.choose(4, (1 << 20) + 1, d.relaying(4), false, false),
-            Algo::Ring
         );
         assert_eq!(
             auto.choose(2, dd + 1, d.relaying(2), false, false),
