@@ -91,6 +91,9 @@ fn body() {
                 println!("FAILED step {step}: {e}");
                 let (next, agreed) = c.shrink(step as u64).unwrap();
                 c = next;
+                // A rank whose step completed before the loss goes on where the others do: the
+                // survivors resume from the least step any of them failed in.
+                step = agreed.least as usize;
                 println!(
                     "SHRUNK to {} ranks (old {:?})",
                     c.info().world_size,
