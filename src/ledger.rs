@@ -58,37 +58,28 @@ impl Ledger {
     }
 }
 
-impl std::ops::Sub for Ledger {
-    type Output = Ledger;
-    fn sub(self, o: Ledger) -> Ledger {
-        Ledger {
-            copied_in: self.copied_in - o.copied_in,
-            reduced: self.reduced - o.reduced,
-            copied_out: self.copied_out - o.copied_out,
-            second_writes: self.second_writes - o.second_writes,
-            kernel: self.kernel - o.kernel,
-            wire: self.wire - o.wire,
-            registrations: self.registrations - o.registrations,
-            registration_ns: self.registration_ns - o.registration_ns,
+/// `Add` and `Sub`, field by field (a difference of snapshots, a sum over transports).
+macro_rules! fieldwise {
+    ($trait:ident, $method:ident, $op:tt) => {
+        impl std::ops::$trait for Ledger {
+            type Output = Ledger;
+            fn $method(self, o: Ledger) -> Ledger {
+                Ledger {
+                    copied_in: self.copied_in $op o.copied_in,
+                    reduced: self.reduced $op o.reduced,
+                    copied_out: self.copied_out $op o.copied_out,
+                    second_writes: self.second_writes $op o.second_writes,
+                    kernel: self.kernel $op o.kernel,
+                    wire: self.wire $op o.wire,
+                    registrations: self.registrations $op o.registrations,
+                    registration_ns: self.registration_ns $op o.registration_ns,
+                }
+            }
         }
-    }
+    };
 }
-
-impl std::ops::Add for Ledger {
-    type Output = Ledger;
-    fn add(self, o: Ledger) -> Ledger {
-        Ledger {
-            copied_in: self.copied_in + o.copied_in,
-            reduced: self.reduced + o.reduced,
-            copied_out: self.copied_out + o.copied_out,
-            second_writes: self.second_writes + o.second_writes,
-            kernel: self.kernel + o.kernel,
-            wire: self.wire + o.wire,
-            registrations: self.registrations + o.registrations,
-            registration_ns: self.registration_ns + o.registration_ns,
-        }
-    }
-}
+fieldwise!(Add, add, +);
+fieldwise!(Sub, sub, -);
 
 /// What a pass did, for [`Ledger::count`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

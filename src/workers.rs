@@ -7,8 +7,8 @@
 
 use std::sync::OnceLock;
 
-/// Bytes below which a pass stays on the calling thread: a hand-off costs a few microseconds,
-/// a quarter MiB at memory speed about 25-50.
+/// Bytes below which a pass stays on the calling thread: below it a hand-off to the workers
+/// costs about what it saves.
 pub(crate) const SPLIT_MIN: usize = 256 << 10;
 
 /// Ranges are whole multiples of this (every element size, the fused kernels' block).

@@ -223,8 +223,7 @@ fn a_rank_on_another_host_is_refused_by_name() {
 
 /// Every rank but rank 1 (which SIGKILLed itself) failed naming rank 1 within 2 s (10 s in the
 /// emulated VM, which tears a killed process's memory down before its sockets close, for
-/// seconds at times: the same with builds from before and after a change, paired in one boot;
-/// 7.7 s seen on a slow day).
+/// seconds at times: the same with builds from before and after a change, paired in one boot).
 fn every_survivor_names_rank_1_soon(outs: &[String]) {
     let bound = if require_rdma() { 10_000 } else { 2000 };
     for (r, out) in outs.iter().enumerate() {

@@ -65,8 +65,8 @@ pub fn limits(medium: Medium, n: usize) -> Limits {
 /// rather than halving-doubling on more than 2 ranks: never, by default. The relay saves nearly
 /// a CPU pass per wire byte, which on an HCA should pay for the ring's 2 (n - 1) - 2 log2 n extra
 /// steps, but over soft-RoCE (where the wire, not the CPU, is the limit) 4 ranks ran no faster
-/// by ring than by halving-doubling at 16 MiB (0.93-1.19x; docs/BENCHMARKS.md): unmeasured on
-/// hardware, the choice stays with `RDMACOMM_ALGO=ring`. On 2 ranks both take the same two
+/// by ring than by halving-doubling (docs/BENCHMARKS.md): unmeasured on hardware, the choice
+/// stays with `RDMACOMM_ALGO=ring`. On 2 ranks both take the same two
 /// steps, so the ring runs wherever doubling does not.
 pub const RELAY_RING_MIN: usize = usize::MAX;
 
