@@ -639,6 +639,15 @@ fn threads_as_ranks(n: usize, first: u64, count: u64, run: fn(&Comm, u64, u64) -
     tallies.into_iter().next().expect("rank 0")
 }
 
+/// `n` sequences, times `MISMATCH_SCALE` (default 1; a longer run, say 4, away from CI).
+fn sequences(n: u64) -> u64 {
+    let scale: u64 = std::env::var("MISMATCH_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    n.saturating_mul(scale.max(1))
+}
+
 /// `count` changed-call sequences on `n` thread-ranks.
 fn in_process(n: usize, count: u64) {
     let t = threads_as_ranks(n, 1000 * n as u64, count, run_sequences);
@@ -651,8 +660,8 @@ fn thousands_of_changed_calls_between_threads() {
         println!("SKIPPED: the VM runs the process tier");
         return;
     }
-    in_process(2, 1500);
-    in_process(3, 1000);
+    in_process(2, sequences(600));
+    in_process(3, sequences(400));
 }
 
 /// A correct program with delays, as rank `me` of `n` runs sequence `seed`: its operations
@@ -742,8 +751,8 @@ fn thousands_of_correct_programs_with_late_ranks() {
         println!("SKIPPED: the VM runs the process tier");
         return;
     }
-    delayed_in_process(2, 1000);
-    delayed_in_process(3, 1000);
+    delayed_in_process(2, sequences(250));
+    delayed_in_process(3, sequences(250));
 }
 
 fn processes_body() {
@@ -775,7 +784,7 @@ fn hundreds_of_changed_calls_between_processes() {
         return;
     }
     // Fewer in the emulated VM, where rxe moves a few tens of MB/s.
-    let count = if require_rdma() { 40 } else { 150 };
+    let count = sequences(if require_rdma() { 40 } else { 80 });
     // Under TCG a process can start seconds after its peer: the wait must cover it.
     let timeout = if require_rdma() { 4 * TIMEOUT } else { TIMEOUT };
     for n in [2, 3] {
