@@ -784,7 +784,7 @@ fn hundreds_of_changed_calls_between_processes() {
         return;
     }
     // Fewer in the emulated VM, where rxe moves a few tens of MB/s.
-    let count = sequences(if require_rdma() { 40 } else { 80 });
+    let count = sequences(if require_rdma() { 24 } else { 80 });
     // Under TCG a process can start seconds after its peer: the wait must cover it.
     let timeout = if require_rdma() { 4 * TIMEOUT } else { TIMEOUT };
     for n in [2, 3] {
