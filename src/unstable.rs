@@ -19,6 +19,11 @@ pub mod connect {
     pub use crate::transport::rdma::{info, INFO, READY};
 }
 
+/// The shrink's agreement as a state machine without I/O, for the model checker.
+pub mod agreement {
+    pub use crate::bootstrap::elastic::agreement::*;
+}
+
 /// The reduction kernels and their reference.
 pub mod reduce {
     pub use crate::reduce::{choose_simd, reduce_into, reference, simd_level, SimdLevel};

@@ -7,7 +7,8 @@
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
 //! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`); after a failure,
 //! the survivors' agreement over every rank's control port (`shrink.rs`, the port itself in
-//! `control.rs`, the answers of retired ones in `retired.rs`), and where newcomers join a
+//! `control.rs`, the answers of retired ones in `retired.rs`; the same agreement as a state machine
+//! without I/O, checked by a model checker, in `elastic/agreement.rs`), and where newcomers join a
 //! growing group (`lobby.rs`). It reads the
 //! configuration and nothing above it.
 
@@ -16,6 +17,7 @@ mod auth;
 mod control;
 mod coordinate;
 pub mod discover;
+pub(crate) mod elastic;
 mod fanout;
 mod hello;
 mod join;
