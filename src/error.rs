@@ -124,7 +124,7 @@ pub enum Error {
     },
     /// A shrink went on without this rank (it was stopped, cut off or late): `by` said so, for
     /// the group that went on.
-    #[error("left out of the shrink, as rank {by} said: {reason}")]
+    #[error("left out of the shrink, as {by} said: {reason}")]
     LeftOut {
         /// The rank whose answer said so (the coordinator, or a member's retired port).
         by: Peer,

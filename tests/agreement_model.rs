@@ -11,7 +11,8 @@
 //!   group's rendezvous waits for every member), unless one of them was cut off (stopped after
 //!   it called, so that nobody could learn from it what it had decided);
 //! - "no responsive rank left out": a rank that called within the timeout of the first call,
-//!   was never stopped and is alive is never left out, never times out;
+//!   was never stopped, is alive and is not named by every other rank that called (each waited
+//!   on it a timeout) is never left out, never times out;
 //! - "returns within the bound": such a rank returns within `Agreement::bound_with` the faults
 //!   that happened (ranks killed or stopped while it ran) of its call;
 //! - "the protected meet": past the bound, all such ranks hold one decision that has them all.
@@ -177,15 +178,28 @@ fn first_call(st: &State) -> Option<Time> {
 }
 
 /// Ranks the properties protect: called within the timeout of the first call, never stopped,
-/// alive.
+/// alive, and not named by every other rank alive that called (all of them waited on it for a
+/// timeout: it was silent).
 fn protected(st: &State) -> Vec<usize> {
     let Some(first) = first_call(st) else {
         return vec![];
     };
+    let doubted = |q: usize| {
+        let mut others = st
+            .ranks
+            .iter()
+            .enumerate()
+            .filter(|(p, r)| *p != q && r.life != Life::Dead && r.called.is_some())
+            .peekable();
+        others.peek().is_some() && others.all(|(_, r)| r.suspects.contains(&q))
+    };
     (0..st.ranks.len())
         .filter(|&q| {
             let r = &st.ranks[q];
-            r.life == Life::Alive && !r.ever_stopped && r.called.is_some_and(|t| t <= first + T)
+            r.life == Life::Alive
+                && !r.ever_stopped
+                && r.called.is_some_and(|t| t <= first + T)
+                && !doubted(q)
         })
         .collect()
 }
@@ -679,6 +693,21 @@ fn survivors_suspecting_differently_form_one_group() {
         "4 ranks, rank 0 stalled, a stop",
     );
     check(Shrink::new(v, 1, 0), "4 ranks, rank 0 stalled, a crash");
+    // Every other rank names rank 2 (each waited on it a timeout): the others go on without
+    // waiting for it, and it, calling at any time or stopped at any step, is told so.
+    let mut v = Vec::new();
+    for at in [0, T, 2 * T] {
+        v.push(Scenario {
+            n: 4,
+            dead: vec![],
+            suspects: vec![vec![2], vec![2], vec![], vec![2]],
+            calls_by: vec![Some(0), Some(0), Some(at), Some(1)],
+        });
+    }
+    check(
+        Shrink::new(v.clone(), 0, 1),
+        "4 ranks, rank 2 named by all, a stop",
+    );
 }
 
 /// Every scenario of 4 ranks (nightly: `-- --ignored four_ranks`).

@@ -6,11 +6,10 @@
 //! (length-prefixed frames over TCP, `wire.rs`); the side channel those connections become, kept
 //! open for barriers, aborts, stall reports, probes and goodbyes (`side_channel.rs`), with rank
 //! 0's relay thread (`relay.rs`), which also judges stalled waits (`stalls.rs`); after a failure,
-//! the survivors' agreement over every rank's control port (`shrink.rs`, the port itself in
-//! `control.rs`, the answers of retired ones in `retired.rs`; the same agreement as a state machine
-//! without I/O, checked by a model checker, in `elastic/agreement.rs`), and where newcomers join a
-//! growing group (`lobby.rs`). It reads the
-//! configuration and nothing above it.
+//! the survivors' agreement over every rank's control port (`elastic/`: a state machine without
+//! I/O, checked by a model checker, and its driver; the port itself in `control.rs`, the answers
+//! of ended agreements in `retired.rs`), and where newcomers join a growing group (`lobby.rs`).
+//! It reads the configuration and nothing above it.
 
 mod admission;
 mod auth;
@@ -27,7 +26,6 @@ pub mod pmix;
 mod relay;
 pub mod rendezvous;
 pub(crate) mod retired;
-pub(crate) mod shrink;
 mod side_channel;
 mod stalls;
 mod table;

@@ -1,31 +1,24 @@
-//! Control ports answered by a thread while their rank does not read them: a rank asking a
-//! coordinator, or meeting with its new group, answers that it follows that coordinator (so a
-//! rank that finds nobody else joins the group forming); a port whose group went on answers a
-//! rank of its old group that asks late (one stopped, or cut off, while the others shrank) that
-//! the group went on without it, so that rank fails, named, instead of going on as a group of
-//! its own. One thread serves every such port of the process.
+//! Control ports whose agreement has ended, answered by a thread: the ended machine tells a
+//! member that asks late (it missed the GO) that its group holds, and a rank left out (stopped,
+//! or cut off, while the others shrank) that the group went on without it, so that rank fails,
+//! named, instead of going on as a group of its own. One thread serves every such port of the
+//! process, for the life of the communicators that follow.
 
-use super::control::{seal, Door, DROPPED, FOLLOWING};
+use super::control::Door;
+use super::elastic::agreement::{Event, Msg};
+use super::elastic::codec::{decode, encode, is_agreement_kind};
+use super::elastic::driver::Ended;
+use super::elastic::outbox::{Outbox, Ports};
 use super::outcome::Control;
-use super::wire::send_frame;
 use std::time::Duration;
 
-/// A served control port, and what it answers (a sealed frame of kind `kind`).
+/// A served control port and the agreement that ended on it.
 struct Retired {
     id: u64,
     ctl: Control,
-    epoch: u32,
-    kind: u8,
-    reply: Vec<u8>,
+    tag: u32,
+    ended: Ended,
     door: Door,
-}
-
-/// What a served port answers.
-pub(crate) enum Reply {
-    /// Its rank follows this coordinator (FOLLOWING).
-    Following(usize),
-    /// Its group went on (or is meeting) as these ranks, at the next epoch (DROPPED).
-    WentOn(Vec<usize>),
 }
 
 /// Every retired control port of this process, served by one thread.
@@ -38,34 +31,20 @@ pub(crate) struct Answerer {
 }
 
 impl Answerer {
-    /// Answers on `ctl`'s port (of epoch `epoch`) with `reply` until dropped.
-    pub(crate) fn start(ctl: Control, epoch: u32, reply: Reply) -> Answerer {
+    /// Answers on `ctl`'s port, for the agreement tagged `tag` that ended as `ended`, until
+    /// dropped.
+    pub(crate) fn start(ctl: Control, tag: u32, ended: Ended) -> Answerer {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(1);
         static SERVING: AtomicBool = AtomicBool::new(false);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        let (kind, body) = match reply {
-            Reply::Following(c) => (FOLLOWING, (c as u32).to_le_bytes().to_vec()),
-            Reply::WentOn(members) => (
-                DROPPED,
-                format!(
-                    "the group went on as epoch {} with ranks {members:?} without it (rank {} \
-                     answered)",
-                    epoch + 1,
-                    ctl.rank
-                )
-                .into_bytes(),
-            ),
-        };
-        let reply = seal(&ctl.session, kind, epoch, &body);
         if ctl.listener.set_nonblocking(true).is_ok() {
             let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
             all.push(Retired {
                 id,
                 ctl,
-                epoch,
-                kind,
-                reply,
+                tag,
+                ended,
                 door: Door::default(),
             });
         }
@@ -97,20 +76,10 @@ fn serve_retired() {
             let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
             idle |= all.is_empty();
             for r in all.iter_mut() {
-                let (asks, got) = r.door.poll(&r.ctl, r.epoch);
+                let (frames, got) = r.door.poll(&r.ctl.listener, r.tag, is_agreement_kind);
                 busy |= got;
-                for (_, a, sock) in asks {
-                    if r.kind == DROPPED {
-                        log::warn!(
-                            "rank {} told rank {} of epoch {} that its group went on without it",
-                            r.ctl.rank,
-                            a.rank,
-                            r.epoch
-                        );
-                    }
-                    let _ = sock.set_nonblocking(false);
-                    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-                    let _ = send_frame(&sock, r.kind, &r.reply);
+                for (kind, body) in frames {
+                    answer(r, kind, &body);
                 }
             }
         }
@@ -119,4 +88,34 @@ fn serve_retired() {
             std::thread::sleep(Duration::from_millis(if idle { 200 } else { 20 }));
         }
     }
+}
+
+/// The ended machine's answer to one frame, sent off this thread.
+fn answer(r: &mut Retired, kind: u8, body: &[u8]) {
+    let (n, me) = (r.ctl.ports.len(), r.ctl.rank);
+    let Some(m) = decode(&r.ctl.session, r.tag, kind, body, n, 0) else {
+        return;
+    };
+    let from = m.from;
+    let sends = r.ended.machine.handle(0, Event::Recv { from, msg: m.msg });
+    if sends.is_empty() {
+        return;
+    }
+    let ports = Ports {
+        addrs: r.ctl.addrs.clone(),
+        ports: r.ctl.ports.clone(),
+    };
+    let out = Outbox::new(ports, Duration::from_secs(1), 1);
+    for s in sends {
+        if let Msg::Out(d) = &s.msg {
+            log::warn!(
+                "rank {me} told rank {} that its group went on as ranks {:?} without it",
+                s.to,
+                d.members
+            );
+        }
+        let (kind, frame) = encode(&r.ctl.session, r.tag, me, &s.msg, &r.ended.meet, 0);
+        out.send(s.to, kind, frame);
+    }
+    // Dropped: its workers finish the sends and end.
 }

@@ -38,7 +38,7 @@ impl Communicator for Comm {
 
     /// Registers `buf` with the transport (fails, without running `f`, when registering fails,
     /// e.g. at the locked-memory limit, whose error says how to raise it, or when
-    /// [`crate::transport::rdma::MAX_REGISTERED`] buffers are registered already); the
+    /// 64 buffers (`MAX_REGISTERED` of the RDMA transport) are registered already); the
     /// registration ends however `f` exits. A panic in `f` poisons the communicator and tells
     /// the peers before it goes on unwinding.
     fn with_registered(

@@ -1,11 +1,11 @@
 //! `shrink`: after a failure (or to drop ranks that do not answer), the ranks still alive agree
-//! over their control ports on who goes on and on a value (`bootstrap/shrink.rs`), and meet
+//! over their control ports on who goes on and on a value (`bootstrap/elastic/`), and meet
 //! again as a new communicator at their coordinator; the old one ends here alone, with no
 //! collective teardown.
 
 use super::*;
-use crate::bootstrap::retired::{Answerer, Reply};
-use crate::bootstrap::shrink::{agree, Decision};
+use crate::bootstrap::elastic::driver::{agree, bound, Decision};
+use crate::bootstrap::retired::Answerer;
 use crate::transport::Kept;
 
 /// What the ranks that go on after a [`Comm::shrink`] agreed.
@@ -28,13 +28,14 @@ const MEETINGS: usize = 3;
 const DRAIN_FOR: Duration = Duration::from_secs(2);
 
 impl Comm {
-    /// Ends this communicator and gives the ranks still alive a new one over themselves,
-    /// renumbered in their old order, with every one agreeing on its members, and on the least
-    /// and the AND of the `value`s they bring. Called by every surviving rank, after an
-    /// operation failed because ranks were lost, or at any time to drop ranks that do not
-    /// answer. No rank needs to know who was lost: a rank that does not call it within the
-    /// timeout (`RDMACOMM_TIMEOUT`) is left out, as is one lost during the call; the lowest rank
-    /// alive coordinates where rank 0 was lost. Bounded: an error names whom it waited on.
+    /// Ends this communicator and gives the ranks still alive a new one over themselves
+    /// (renumbered: the coordinator first, then the others in their old order), with every one
+    /// agreeing on its members, and on the least and the AND of the `value`s they bring. Called
+    /// by every surviving rank, after an operation failed because ranks were lost, or at any
+    /// time to drop ranks that do not answer. No rank needs to know who was lost: a rank that
+    /// does not call it within the timeout (`RDMACOMM_TIMEOUT`), or that every caller names, is
+    /// left out (and told so if it calls later), as is one lost during the call; the lowest
+    /// rank alive coordinates. Bounded (`docs/GUIDE.md`): an error names whom it waited on.
     /// Afterwards this communicator refuses every operation; drop it (its teardown waits on
     /// nobody).
     pub fn shrink(&self, value: u64) -> Result<(Comm, Agreed)> {
@@ -69,20 +70,32 @@ impl Comm {
         })?;
         let suspects = self.suspects();
         let t = self.cfg.timeout;
-        // Each coordinator lost costs three timeouts at most; two are allowed for.
-        let deadline = Instant::now() + 7 * t;
+        log::info!(
+            "rank {}: shrinks, suspecting {suspects:?}, within {:?} at most",
+            self.rank,
+            bound(self.size, t)
+        );
         let mut meetings = 0;
         let (comm, agreed) = loop {
-            let d = agree(ctl, self.core.epoch, &suspects, value, t, deadline)?;
+            // Each attempt agrees under its own tag: an ended attempt's answers are not the
+            // next one's.
+            let tag = self
+                .core
+                .epoch
+                .wrapping_mul(MEETINGS as u32 + 1)
+                .wrapping_add(meetings as u32);
+            let (d, ended) = agree(ctl, tag, &suspects, value, t)?;
             self.retire_for(&format!(
                 "its shrunk successor of {} rank(s)",
                 d.members.len()
             ));
-            // From now on this rank's old port answers that the group went on as `members`: a
-            // rank left out learns it was, while the group meets and after.
-            let went_on = ctl.try_clone().ok().map(|port| {
-                Answerer::start(port, self.core.epoch, Reply::WentOn(d.members.clone()))
-            });
+            // From now on the ended machine answers at this rank's old port: a member that
+            // missed the GO learns it, a rank left out learns it was, while the group meets
+            // and after.
+            let went_on = ctl
+                .try_clone()
+                .ok()
+                .map(|port| Answerer::start(port, tag, ended));
             meetings += 1;
             match self.meet_again(d) {
                 Ok((comm, agreed)) => {
@@ -95,7 +108,7 @@ impl Comm {
                     }
                     break (comm, agreed);
                 }
-                Err(e) if meetings < MEETINGS && Instant::now() < deadline => {
+                Err(e) if meetings < MEETINGS => {
                     log::warn!(
                         "rank {}: the shrunk group did not form ({e}); agreeing again",
                         self.rank

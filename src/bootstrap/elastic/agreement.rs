@@ -42,6 +42,8 @@ pub enum Msg {
     Join {
         /// The value the sender brings.
         value: u64,
+        /// The ranks its failure named (it waited on them for the timeout, or lost them).
+        named: Vec<usize>,
     },
     /// The sender collects: the receiver is asked to join it.
     Invite,
@@ -146,6 +148,10 @@ pub struct Agreement {
     /// The whole call ends by then.
     bound: Time,
     suspects: BTreeSet<usize>,
+    /// The ranks this rank's failure named (its first suspects, kept).
+    named: BTreeSet<usize>,
+    /// The ranks each rank heard from named, as its JOIN said.
+    views: BTreeMap<usize, BTreeSet<usize>>,
     lost: BTreeSet<usize>,
     /// Members this rank dropped for not acknowledging: back only by a JOIN of their own.
     dropped: BTreeSet<usize>,
@@ -179,6 +185,11 @@ impl Agreement {
         timeout: Time,
         grace: Time,
     ) -> (Agreement, Vec<Send>) {
+        let named: BTreeSet<usize> = suspects
+            .iter()
+            .copied()
+            .filter(|&q| q != me && q < n)
+            .collect();
         let mut a = Agreement {
             me,
             n,
@@ -186,11 +197,9 @@ impl Agreement {
             timeout,
             grace,
             bound: now + Self::bound(n, timeout, grace),
-            suspects: suspects
-                .iter()
-                .copied()
-                .filter(|&q| q != me && q < n)
-                .collect(),
+            suspects: named.clone(),
+            named,
+            views: BTreeMap::new(),
             lost: BTreeSet::new(),
             dropped: BTreeSet::new(),
             heard: BTreeMap::new(),
@@ -200,11 +209,6 @@ impl Agreement {
         let mut out = Vec::new();
         a.next_target(now, &mut out);
         (a, out)
-    }
-
-    /// This rank's rank.
-    pub fn rank(&self) -> usize {
-        self.me
     }
 
     /// When [`Event::Timer`] is due, if it is.
@@ -260,6 +264,7 @@ impl Agreement {
             self.lost.insert(q);
             self.suspects.insert(q);
             self.heard.remove(&q);
+            self.views.remove(&q);
         }
         // The bound ends the call on the clock alone: a message that settles it is taken.
         if event == Event::Timer && self.outcome().is_none() && now >= self.bound {
@@ -298,7 +303,15 @@ impl Agreement {
     fn seek(&mut self, c: usize, alive: bool, now: Time, out: &mut Vec<Send>) {
         let until = now + self.timeout;
         self.phase = Phase::Seeking { c, until };
-        Self::send(out, c, Msg::Join { value: self.value });
+        let named = self.named.iter().copied().collect();
+        Self::send(
+            out,
+            c,
+            Msg::Join {
+                value: self.value,
+                named,
+            },
+        );
         self.redirect(c, alive, until, out);
     }
 
@@ -341,9 +354,20 @@ impl Agreement {
         self.check_collected(now, out);
     }
 
+    /// Decides once every other rank is heard, lost, or named by this rank and by every rank
+    /// heard (all waited on it for a timeout: it is not waited on again).
     fn check_collected(&mut self, now: Time, out: &mut Vec<Send>) {
-        let all_in = (0..self.n)
-            .all(|q| q == self.me || self.heard.contains_key(&q) || self.lost.contains(&q));
+        let doubted = |q: usize| {
+            !self.heard.is_empty()
+                && self.named.contains(&q)
+                && self
+                    .heard
+                    .keys()
+                    .all(|h| self.views.get(h).is_some_and(|v| v.contains(&q)))
+        };
+        let all_in = (0..self.n).all(|q| {
+            q == self.me || self.heard.contains_key(&q) || self.lost.contains(&q) || doubted(q)
+        });
         if all_in {
             self.decide(now, out);
         }
@@ -422,8 +446,9 @@ impl Agreement {
     }
 
     fn recv(&mut self, now: Time, from: usize, msg: Msg, out: &mut Vec<Send>) {
-        if let Msg::Join { value } = msg {
-            self.heard.insert(from, value);
+        if let Msg::Join { value, named } = &msg {
+            self.heard.insert(from, *value);
+            self.views.insert(from, named.iter().copied().collect());
             self.dropped.remove(&from);
         }
         // A rank that has returned answers: members GO, the others OUT.

@@ -1,6 +1,12 @@
-//! The elastic protocol: how survivors agree after a failure (`agreement.rs`, a state machine
-//! without I/O that the model checker walks).
+//! The elastic protocol: how survivors agree after a failure. The agreement as a state machine
+//! without I/O (`agreement.rs`, which the model checker walks), its messages on the wire
+//! (`codec.rs`), their sending (`outbox.rs`) and the loop that runs the machine over a rank's
+//! control port (`driver.rs`).
 
-// The shrink's driver does not run it yet (docs/DESIGN.md): only the checker reaches it.
-#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub(crate) mod agreement;
+pub(crate) mod codec;
+pub(crate) mod driver;
+pub(crate) mod outbox;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,178 @@
+//! The agreement's driver: runs this rank's [`Agreement`] over its control port. Messages come
+//! in through the port (`Door`), go out through the `Outbox`, a refused connection is a lost
+//! rank, and the clock is milliseconds since the call. Nothing here decides: the machine does.
+
+use super::agreement::{Agreement, Event, Msg, Outcome, Send, Time};
+use super::codec::{decode, encode, is_agreement_kind};
+use super::outbox::{Outbox, Ports};
+use crate::bootstrap::control::Door;
+use crate::bootstrap::outcome::Control;
+use crate::bootstrap::wire::listen;
+use crate::error::{Error, Peer, Result};
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
+
+/// What the survivors agreed, as the new group needs it.
+#[derive(Debug)]
+pub(crate) struct Decision {
+    /// The ranks that go on, in their new order: the coordinator (where they meet) first, then
+    /// the others in their old order.
+    pub members: Vec<usize>,
+    /// Where their new group meets (the coordinator's listener).
+    pub meet: String,
+    /// The least of the members' values.
+    pub least: u64,
+    /// The bitwise AND of the members' values.
+    pub all: u64,
+    /// The listener the new group meets at (on the coordinator alone).
+    pub listener: Option<TcpListener>,
+}
+
+/// An agreement that ended with a decision, to answer latecomers at the old port.
+pub(crate) struct Ended {
+    pub machine: Agreement,
+    /// Where the decided group meets.
+    pub meet: String,
+}
+
+/// How long a message may take to cross and be answered, for a wait of `timeout`: the model
+/// checker's grace (`docs/DESIGN.md`).
+pub(crate) fn grace(timeout: Duration) -> Duration {
+    (timeout / 8).clamp(Duration::from_millis(100), Duration::from_secs(2))
+}
+
+/// How long an agreement with `n` ranks and `timeout` takes at most.
+pub(crate) fn bound(n: usize, timeout: Duration) -> Duration {
+    let ms = |d: Duration| d.as_millis().min(u64::MAX as u128 / 64) as Time;
+    Duration::from_millis(Agreement::bound(n, ms(timeout), ms(grace(timeout))))
+}
+
+/// Agrees with the other survivors of `ctl`'s group on who goes on, this rank suspecting
+/// `suspects` and bringing `value`, each wait `timeout`; messages sealed under `tag` (one per
+/// generation and attempt). An error names whom this rank waited on, or who left it out.
+pub(crate) fn agree(
+    ctl: &Control,
+    tag: u32,
+    suspects: &[usize],
+    value: u64,
+    timeout: Duration,
+) -> Result<(Decision, Ended)> {
+    let (n, me) = (ctl.ports.len(), ctl.rank);
+    let start = Instant::now();
+    let clock = || start.elapsed().as_millis().min(u64::MAX as u128) as Time;
+    let ms = |d: Duration| d.as_millis().min(u64::MAX as u128 / 64) as Time;
+    // This rank's meeting point, used if it decides.
+    let at = SocketAddr::new(ctl.listener.local_addr()?.ip(), 0);
+    let own = listen(at)
+        .map_err(|e| Error::Bootstrap(format!("rank {me}: cannot listen on {at}: {e}")))?;
+    let mut meets: BTreeMap<usize, String> = BTreeMap::new();
+    meets.insert(me, own.local_addr()?.to_string());
+    let g = grace(timeout);
+    let ports = Ports {
+        addrs: ctl.addrs.clone(),
+        ports: ctl.ports.clone(),
+    };
+    let out = Outbox::new(ports, timeout.min(g.max(Duration::from_secs(1))), n - 1);
+    let post = |sends: Vec<Send>, meets: &BTreeMap<usize, String>, now: Time| {
+        for s in sends {
+            let meet = match &s.msg {
+                Msg::Decide(d) | Msg::Go(d) | Msg::Out(d) => meets.get(&d.coordinator),
+                _ => None,
+            };
+            let (kind, frame) = encode(
+                &ctl.session,
+                tag,
+                me,
+                &s.msg,
+                meet.map_or("", String::as_str),
+                now,
+            );
+            out.send(s.to, kind, frame);
+        }
+    };
+    let (mut a, first) = Agreement::start(me, n, suspects, value, clock(), ms(timeout), ms(g));
+    post(first, &meets, clock());
+    if crate::diag::test_fault("exit-in-shrink") {
+        out.flush(Instant::now() + Duration::from_secs(1));
+        std::process::exit(9);
+    }
+    ctl.listener.set_nonblocking(true)?;
+    let mut door = Door::default();
+    // Where the machine was before the clock ended it (for a timeout's error).
+    let mut was = a.describe();
+    let outcome = loop {
+        if let Some(o) = a.outcome() {
+            break o.clone();
+        }
+        for q in out.lost() {
+            log::info!("rank {me}: rank {q}'s control port refused: it is gone");
+            let sends = a.handle(clock(), Event::Lost(q));
+            post(sends, &meets, clock());
+        }
+        // What has arrived is read before the clock is looked at.
+        let (frames, busy) = door.poll(&ctl.listener, tag, is_agreement_kind);
+        for (kind, body) in frames {
+            let now = clock();
+            let Some(r) = decode(&ctl.session, tag, kind, &body, n, now) else {
+                log::debug!("rank {me}: ignored a control frame that is not of this agreement");
+                continue;
+            };
+            if let (Msg::Decide(d) | Msg::Go(d) | Msg::Out(d), Some(m)) = (&r.msg, r.meet) {
+                meets.entry(d.coordinator).or_insert(m);
+            }
+            let sends = a.handle(
+                now,
+                Event::Recv {
+                    from: r.from,
+                    msg: r.msg,
+                },
+            );
+            post(sends, &meets, now);
+        }
+        let now = clock();
+        if a.deadline().is_some_and(|d| d <= now) {
+            was = a.describe();
+            let sends = a.handle(now, Event::Timer);
+            post(sends, &meets, now);
+        } else if !busy {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let peer = |q: usize| Peer {
+        rank: q,
+        addr: ctl.addrs.get(q).cloned().unwrap_or_default(),
+    };
+    match outcome {
+        Outcome::Decided(d) => {
+            let Some(meet) = meets.get(&d.coordinator).cloned().filter(|m| !m.is_empty()) else {
+                return Err(Error::Bootstrap(format!(
+                    "rank {me}: the shrink's decision by rank {} came without its meeting point",
+                    d.coordinator
+                )));
+            };
+            let mut members = vec![d.coordinator];
+            members.extend(d.members.iter().copied().filter(|&q| q != d.coordinator));
+            let decision = Decision {
+                members,
+                meet: meet.clone(),
+                least: d.least,
+                all: d.all,
+                listener: (d.coordinator == me).then_some(own),
+            };
+            Ok((decision, Ended { machine: a, meet }))
+        }
+        Outcome::LeftOut { by, members } => Err(Error::LeftOut {
+            by: peer(by),
+            reason: format!(
+                "rank {me}: the group went on as ranks {members:?} without this rank (rank {by} \
+                 said so)"
+            ),
+        }),
+        Outcome::TimedOut { waited_on } => Err(Error::Timeout {
+            peer: peer(waited_on),
+            what: format!("a shrink's agreement, seen from rank {me} (it {was} last)"),
+            after: start.elapsed(),
+        }),
+    }
+}
