@@ -1,5 +1,5 @@
 //! The elastic protocol: how survivors agree after a failure. The agreement as a state machine
-//! without I/O (`agreement.rs`, which the model checker walks), its messages on the wire
+//! without I/O (`agreement/`, which the model checker walks), its messages on the wire
 //! (`codec.rs`), their sending (`outbox.rs`) and the loop that runs the machine over a rank's
 //! control port (`driver.rs`).
 
