@@ -505,7 +505,7 @@ fn a_table_fans_out_along_a_tree_to_every_rank() {
 #[test]
 fn a_rank_that_dies_before_passing_on_the_table_is_named_by_all() {
     const NAME: &str = "a_rank_that_dies_before_passing_on_the_table_is_named_by_all";
-    if !parent_ready(NAME, join_body) {
+    if !debug_hooks(NAME) || !parent_ready(NAME, join_body) {
         return;
     }
     // Twelve ranks: rank 1 takes its table from rank 0 and is to pass it to ranks 9-11; it
@@ -546,7 +546,7 @@ fn a_rank_that_dies_before_passing_on_the_table_is_named_by_all() {
 #[test]
 fn a_rank_that_hangs_before_passing_on_the_table_is_named_below_it() {
     const NAME: &str = "a_rank_that_hangs_before_passing_on_the_table_is_named_below_it";
-    if !parent_ready(NAME, join_body) {
+    if !debug_hooks(NAME) || !parent_ready(NAME, join_body) {
         return;
     }
     if require_rdma() {

@@ -402,10 +402,11 @@ macro_rules! case {
         #[test]
         fn $name() {
             const NAME: &str = stringify!($name);
-            if !parent_ready(NAME, shrink_body) {
+            let k: Case = $k;
+            if (k.fault.is_some() && !debug_hooks(NAME)) || !parent_ready(NAME, shrink_body) {
                 return;
             }
-            run(NAME, $k);
+            run(NAME, k);
         }
     };
 }
@@ -649,4 +650,120 @@ matrix_shm!(
     the_last_rank_killed_in_a_sendrecv_is_shrunk_away,
     two_ranks_killed_at_once_are_shrunk_away,
     a_subgroup_that_lost_a_member_shrinks_too,
+    a_grow_one_member_fails_is_undone_on_every_member,
 );
+
+/// The members grow by one; a newcomer comes (`GROW_NEWCOMER`, started by rank 0) or not, and
+/// with the test hook `grow-unmet` the last member fails after the others met the grown group.
+/// Every member fails alike and goes on with the old communicator (an all_reduce there,
+/// checked against a scalar sum); the newcomer's first operation fails.
+fn failed_grow_body() {
+    let (r, n) = rank_size();
+    if var("ELASTIC_NEWCOMER") == "1" {
+        let c = Comm::rejoin_from_env().unwrap();
+        let mut b = [0u8; 8];
+        let went_on = c.broadcast(0, &mut b);
+        println!(
+            "NEWCOMER {} as rank {}: {went_on:?}",
+            if went_on.is_err() {
+                "REFUSED"
+            } else {
+                "WENT ON"
+            },
+            c.rank()
+        );
+        return;
+    }
+    let c = Comm::from_env().unwrap();
+    if r == 0 && var("GROW_NEWCOMER") == "1" {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(std::env::args().skip(1))
+            .env("ELASTIC_NEWCOMER", "1")
+            .spawn()
+            .map(std::mem::forget) // it outlives this call; it ends on its own
+            .unwrap();
+    }
+    let t0 = Instant::now();
+    match c.grow(1) {
+        Ok(g) => panic!("rank {r}: the grow went on as {} ranks", g.size()),
+        Err(e) => println!("GROW FAILED in {:.3}s: {e}", t0.elapsed().as_secs_f64()),
+    }
+    let mut v = (r as f64 + 1.0).to_le_bytes();
+    c.all_reduce(AllReduce::Sum, DType::f64, &mut v).unwrap();
+    assert_eq!(f64::from_le_bytes(v), (n * (n + 1) / 2) as f64);
+    println!("DONE the old group of {n}");
+}
+
+fn failed_grow(name: &str, newcomer: bool) -> Vec<RankResult> {
+    spawn(
+        name,
+        3,
+        Placement::Local,
+        &|_| {
+            vec![
+                ("RDMACOMM_TIMEOUT".to_string(), timeout_s().to_string()),
+                ("RDMACOMM_TEST_FAULT".into(), "grow-unmet".into()),
+                (
+                    "GROW_NEWCOMER".into(),
+                    if newcomer { "1" } else { "0" }.into(),
+                ),
+            ]
+        },
+        Duration::from_secs(60),
+    )
+}
+
+/// A grow no newcomer comes to fails on every member at once: the group goes on (before, rank 0
+/// returned a timeout after the others, whose next operation could time out on it).
+#[test]
+fn a_grow_no_newcomer_comes_to_fails_on_every_member_and_the_group_goes_on() {
+    const NAME: &str = "a_grow_no_newcomer_comes_to_fails_on_every_member_and_the_group_goes_on";
+    if !parent_ready(NAME, failed_grow_body) {
+        return;
+    }
+    for x in failed_grow(NAME, false) {
+        assert_eq!(x.code, Some(0), "rank {}: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("GROW FAILED") && x.output.contains("DONE the old group of 3"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+        // Its bound (`Comm::grow`): the timeout the newcomers are awaited, and a margin.
+        let l = tagged(&x.output, "GROW FAILED in ")[0];
+        let secs: f64 = l["GROW FAILED in ".len()..]
+            .split('s')
+            .next()
+            .and_then(|x| x.parse().ok())
+            .unwrap();
+        let bound = timeout_s() as f64 * 1.5;
+        assert!(
+            secs < bound,
+            "rank {}: {secs} s, over {bound} s: {l}",
+            x.rank
+        );
+    }
+}
+
+/// Grow's commit: a member that fails after the others met the grown group (the test hook on
+/// the last member) undoes the grow on every member; none goes on grown.
+#[test]
+fn a_grow_one_member_fails_is_undone_on_every_member() {
+    const NAME: &str = "a_grow_one_member_fails_is_undone_on_every_member";
+    if !debug_hooks(NAME) || !parent_ready(NAME, failed_grow_body) {
+        return;
+    }
+    let r = failed_grow(NAME, true);
+    for x in &r {
+        assert_eq!(x.code, Some(0), "rank {}: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("did not meet the grown group")
+                && x.output.contains("DONE the old group of 3"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+    // The newcomer shares rank 0's output.
+    assert!(r[0].output.contains("NEWCOMER REFUSED"), "{}", r[0].output);
+}

@@ -100,8 +100,9 @@ fn out_of_descriptors(e: &std::io::Error) -> bool {
 pub(crate) enum Stop<'a> {
     /// Its configuration is bad (this text).
     Config(&'a str),
-    /// The group cannot form, for this reason (a grow whose newcomers did not all come).
-    Group(&'a str),
+    /// The group cannot form, for this reason (a grow whose newcomers did not all come); rank 0
+    /// returns once ranks below the count (the members, which all come) were told.
+    Group(&'a str, usize),
 }
 
 /// Rank 0's side. With `stop`, every rank that joins is refused with it.
@@ -157,8 +158,13 @@ pub(super) fn coordinate(
     let mut adm = Admission::new(n, &cfg.job_id, secret.is_some(), &ours);
     adm.fatal = stop.map(|s| match s {
         Stop::Config(e) => format!("rank 0's configuration is invalid: {e}"),
-        Stop::Group(why) => why.to_string(),
+        Stop::Group(why, _) => why.to_string(),
     });
+    // Who must hear it before rank 0 returns: a newcomer that never came is not waited for.
+    let to_tell = match stop {
+        Some(Stop::Group(_, members)) => members.min(n),
+        _ => n,
+    };
     let mut told = vec![false; n];
     told[0] = true;
     loop {
@@ -185,7 +191,7 @@ pub(super) fn coordinate(
             }
         }
         if let Some(f) = &adm.fatal {
-            if told.iter().all(|&t| t) || Instant::now() >= deadline {
+            if told[..to_tell].iter().all(|&t| t) || Instant::now() >= deadline {
                 return Err(match stop {
                     Some(Stop::Config(e)) => Error::Config(e.to_string()),
                     _ => Error::Bootstrap(f.clone()),

@@ -17,8 +17,10 @@ impl Comm {
     /// rank calls it with the same `k`, at a step boundary of its choosing; the newcomers are
     /// awaited for the timeout (`RDMACOMM_TIMEOUT`). Rank 0 admits them where they look for it:
     /// at the address it writes to `RDMACOMM_COORDINATOR_FILE`, else at the world's coordinator
-    /// address. A grow that fails (a newcomer did not come) leaves this communicator as it was,
-    /// on every rank; one that succeeds ends it: drop it.
+    /// address. A grow that fails (a newcomer did not come within the timeout, or a member did
+    /// not meet the grown group: the members commit over this communicator) leaves this
+    /// communicator as it was, on every member, all returning within about the timeout; one
+    /// that succeeds ends it: drop it.
     pub fn grow(&self, k: usize) -> Result<Comm> {
         if self.view.is_some() {
             return Err(Error::InvalidArgument(
@@ -86,18 +88,41 @@ impl Comm {
                     epoch,
                     meet: meet_cfg.coordinator.clone(),
                 });
-                let why = came.err().map(|e| format!("grow: {e}"));
+                let why = came.err().map(|e| match e {
+                    Error::Bootstrap(m) => format!("grow: {m}"),
+                    e => format!("grow: {e}"),
+                });
                 rendezvous_by(
                     &meet_cfg,
                     card,
                     Some(listener),
                     deadline,
-                    why.as_deref().map(Stop::Group),
+                    why.as_deref().map(|w| Stop::Group(w, n)),
                 )
             }
             None => rendezvous_by(&meet_cfg, card, None, deadline, None),
-        })?;
-        self.retire_for(&format!("its grown successor of {size} ranks"));
+        });
+        // The commit: the members learn, over this communicator, whether every one of them met
+        // the grown group; if one did not, all keep this one and the grown group is dropped.
+        let mut met = [u8::from(link.is_ok())];
+        // The test hook: the last member fails after the others met (lost at the barrier).
+        if crate::diag::test_fault("grow-unmet") && r == n - 1 {
+            met[0] = 0;
+        }
+        let mut all = vec![0u8; n];
+        self.all_gather(&met, &mut all)?;
+        let link = link?;
+        if let Some(q) = all.iter().position(|&m| m != 1) {
+            return Err(Error::Bootstrap(format!(
+                "grow: rank {q} did not meet the grown group of {size}: the grow is undone on                  every member (this communicator goes on)"
+            )));
+        }
+        // The group is whole: later calls are refused, but the teardown meets the others at the
+        // close barrier (a member that went first must not fail one still in the commit).
+        self.poison_with(format!(
+            "rank {r} left this communicator (epoch {}) for its grown successor of {size} ranks",
+            self.core.epoch
+        ));
         Ok(self.successor(cfg, Some(link), epoch))
     }
 

@@ -46,6 +46,15 @@ pub fn parent_ready(name: &str, body: fn()) -> bool {
     transport_ready()
 }
 
+/// Whether the library's test fault hook (`RDMACOMM_TEST_FAULT`, debug builds only) works in
+/// this build; a test of test `name` that needs it skips under `--release`, saying so.
+pub fn debug_hooks(name: &str) -> bool {
+    if !cfg!(debug_assertions) && !is_child(name) {
+        eprintln!("{name}: skipped: the test fault hook is in debug builds only");
+    }
+    cfg!(debug_assertions)
+}
+
 /// This child's rank and world size (set by [`spawn`]).
 pub fn rank_size() -> (usize, usize) {
     let r = std::env::var("RDMACOMM_RANK").unwrap().parse().unwrap();
