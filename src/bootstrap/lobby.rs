@@ -25,7 +25,7 @@ const KNOCK: u8 = 45;
 const WELCOME: u8 = 46;
 /// The largest KNOCK read.
 const LIMIT: usize = 4096;
-/// Connections not yet admitted, at most (past it the oldest that has sent nothing is closed).
+/// Connections not yet admitted, at most (past it the oldest is closed).
 const MAX_PENDING: usize = 64;
 /// The largest group a welcome may name (what a newcomer allocates for).
 pub(crate) const MAX_SIZE: usize = 1 << 20;
@@ -118,6 +118,12 @@ fn admits(
     Ok(nonce)
 }
 
+/// Whether the first bytes of a caller may begin a KNOCK of this protocol version (a stranger's
+/// are dropped as they come, not when whole or timed out).
+fn plausible(buf: &[u8]) -> bool {
+    (buf.len() <= 4 || buf[4] == KNOCK) && (buf.len() < 7 || buf[5..7] == VERSION.to_le_bytes())
+}
+
 /// A connection in the lobby: its challenge and its bytes so far.
 struct Guest {
     sock: TcpStream,
@@ -182,16 +188,10 @@ impl Lobby {
             // Bounded per round: a flood cannot keep rank 0 from its deadline.
             for _ in 0..MAX_PENDING {
                 if guests.len() >= MAX_PENDING {
-                    // Full: close the oldest that has sent nothing, else leave the next in the
-                    // kernel's backlog.
-                    match (0..guests.len())
-                        .filter(|&i| guests[i].buf.is_empty())
-                        .min_by_key(|&i| guests[i].since)
-                    {
-                        Some(i) => {
-                            guests.swap_remove(i);
-                        }
-                        None => break,
+                    // Full: the oldest is closed (a newcomer writes its KNOCK whole as it gets
+                    // the challenge; callers that send a byte each cannot hold the lobby).
+                    if let Some(i) = (0..guests.len()).min_by_key(|&i| guests[i].since) {
+                        guests.swap_remove(i);
                     }
                 }
                 let Ok((s, from)) = self.listener.accept() else {
@@ -219,7 +219,7 @@ impl Lobby {
                 let (got, bad) = read_some(&g.sock, &mut g.buf, LIMIT);
                 busy |= got;
                 let whole = whole_frame(&g.buf, LIMIT);
-                if bad.is_some() && whole != Ok(true) || whole.is_err() {
+                if bad.is_some() && whole != Ok(true) || whole.is_err() || !plausible(&g.buf) {
                     guests.swap_remove(i);
                     continue;
                 }
@@ -409,6 +409,47 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.to_string().contains("0 of 1 newcomer"), "{e}");
+        let _ = std::fs::remove_file(&file);
+    }
+
+    #[test]
+    fn a_newcomer_is_admitted_through_a_flood_of_one_byte_strangers() {
+        use std::io::Write;
+        let file = std::env::temp_dir().join(format!("rdmacomm-flood-{}", std::process::id()));
+        let file = file.to_str().unwrap().to_string();
+        let members = cfg(None, "job", &file);
+        let lobby = Lobby::open(&members, "127.0.0.1".parse().unwrap()).unwrap();
+        let at: SocketAddr = lobby.addr.parse().unwrap();
+        // A thousand connections that send one byte each (or a wrong kind) wait first.
+        let strangers: Vec<TcpStream> = (0..1000)
+            .filter_map(|i| {
+                let mut s = TcpStream::connect(at).ok()?;
+                let _ = s.write_all(if i % 2 == 0 { &[1] } else { &[9, 0, 0, 0, 7] });
+                Some(s)
+            })
+            .collect();
+        let newcomer = cfg(None, "job", &file);
+        let h =
+            std::thread::spawn(move || knock(&newcomer, Instant::now() + Duration::from_secs(5)));
+        let start = Instant::now();
+        lobby
+            .admit(&members, 1, Instant::now() + Duration::from_secs(5), |i| {
+                Welcome {
+                    rank: 2 + i,
+                    size: 3,
+                    epoch: 1,
+                    meet: "127.0.0.1:9".into(),
+                }
+            })
+            .unwrap();
+        assert_eq!(h.join().unwrap().unwrap().rank, 2);
+        // Held by the strangers, it would have waited 2 s for each batch of them to time out.
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(strangers);
         let _ = std::fs::remove_file(&file);
     }
 }

@@ -184,6 +184,7 @@ impl Comm {
             least,
             all,
             mut listener,
+            identity,
         } = d;
         let rank = members
             .iter()
@@ -204,7 +205,9 @@ impl Comm {
         };
         let carried = kept.len();
         let link = if members.len() > 1 {
-            let meet_cfg = cfg.clone();
+            // Only the old group's members can present the new group's identity.
+            let mut meet_cfg = cfg.clone();
+            meet_cfg.job_id = identity;
             Some(transport::connect_keeping(
                 &cfg,
                 cfg.transport,

@@ -27,6 +27,15 @@ pub(crate) struct Decision {
     pub all: u64,
     /// The listener the new group meets at (on the coordinator alone).
     pub listener: Option<TcpListener>,
+    /// The new group's job identity at its meeting: derived from the old group's session key
+    /// and the agreement's tag, so only the old group's members can present it.
+    pub identity: String,
+}
+
+/// The identity of the generation agreed under `tag` by a group of session key `session`.
+fn identity(session: &[u8; crate::bootstrap::auth::KEY], tag: u32) -> String {
+    let m = crate::bootstrap::auth::mac(session, &[b"rdmacomm generation", &tag.to_le_bytes()]);
+    m[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// An agreement that ended with a decision, to answer latecomers at the old port.
@@ -159,6 +168,7 @@ pub(crate) fn agree(
                 least: d.least,
                 all: d.all,
                 listener: (d.coordinator == me).then_some(own),
+                identity: identity(&ctl.session, tag),
             };
             Ok((decision, Ended { machine: a, meet }))
         }
