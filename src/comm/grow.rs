@@ -1,9 +1,9 @@
 //! `grow` and `rejoin`: the members of a running group admit newcomers at a step boundary
-//! (their rank 0's lobby, `bootstrap/lobby.rs`) and meet with them as a new communicator; the
+//! (their rank 0's lobby, `bootstrap/elastic/lobby.rs`) and meet with them as a new communicator; the
 //! old one ends here alone, as after a shrink.
 
 use super::*;
-use crate::bootstrap::lobby::{knock, Lobby, Welcome};
+use crate::bootstrap::elastic::lobby::{knock, Lobby, Welcome};
 use crate::bootstrap::rendezvous::rendezvous_by;
 use crate::bootstrap::Stop;
 
@@ -27,10 +27,10 @@ impl Comm {
                 "grow: a shared view grows with the communicator it was split from".into(),
             ));
         }
-        if k == 0 || k > crate::bootstrap::lobby::MAX_SIZE.saturating_sub(self.size) {
+        if k == 0 || k > crate::bootstrap::elastic::lobby::MAX_SIZE.saturating_sub(self.size) {
             return Err(Error::InvalidArgument(format!(
                 "grow({k}): a number of newcomers from 1, to a group of at most {} ranks",
-                crate::bootstrap::lobby::MAX_SIZE
+                crate::bootstrap::elastic::lobby::MAX_SIZE
             )));
         }
         self.check_thread(&"grow")?;

@@ -143,7 +143,7 @@ pub(crate) struct Core {
     /// Which generation of its group this link is: 0 for the world, one more for each shrink.
     epoch: u32,
     /// The control ports of the generations before it, answering their late askers.
-    answerers: Mutex<Vec<crate::bootstrap::retired::Answerer>>,
+    answerers: Mutex<Vec<crate::bootstrap::elastic::retired::Answerer>>,
 }
 
 impl Comm {

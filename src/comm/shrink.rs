@@ -5,7 +5,7 @@
 
 use super::*;
 use crate::bootstrap::elastic::driver::{agree, bound, Decision};
-use crate::bootstrap::retired::Answerer;
+use crate::bootstrap::elastic::retired::Answerer;
 use crate::transport::Kept;
 
 /// What the ranks that go on after a [`Comm::shrink`] agreed.

@@ -18,7 +18,7 @@ pub mod tcp;
 mod test_rng;
 pub mod watch;
 
-use crate::bootstrap::{discover, rendezvous};
+use crate::bootstrap::rendezvous::{self, discover};
 use crate::error::{Peer, Result};
 pub(crate) use crate::ledger::{Ledger, Pass};
 

@@ -4,8 +4,8 @@
 //! share no origin).
 
 use super::agreement::{Decision, Msg, Time};
-use crate::bootstrap::auth::KEY;
-use crate::bootstrap::control::{get_ranks, open, put_ranks, seal};
+use crate::bootstrap::wire::auth::KEY;
+use crate::bootstrap::wire::port::{get_ranks, open, put_ranks, seal};
 use crate::bootstrap::wire::{put_bytes, Reader};
 
 const JOIN: u8 = 50;

@@ -5,9 +5,9 @@
 use super::agreement::{Agreement, Event, Msg, Outcome, Send, Time};
 use super::codec::{decode, encode, is_agreement_kind};
 use super::outbox::{Outbox, Ports};
-use crate::bootstrap::control::Door;
-use crate::bootstrap::outcome::Control;
 use crate::bootstrap::wire::listen;
+use crate::bootstrap::wire::port::Control;
+use crate::bootstrap::wire::port::Door;
 use crate::error::{Error, Peer, Result};
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -33,8 +33,9 @@ pub(crate) struct Decision {
 }
 
 /// The identity of the generation agreed under `tag` by a group of session key `session`.
-fn identity(session: &[u8; crate::bootstrap::auth::KEY], tag: u32) -> String {
-    let m = crate::bootstrap::auth::mac(session, &[b"rdmacomm generation", &tag.to_le_bytes()]);
+fn identity(session: &[u8; crate::bootstrap::wire::auth::KEY], tag: u32) -> String {
+    let m =
+        crate::bootstrap::wire::auth::mac(session, &[b"rdmacomm generation", &tag.to_le_bytes()]);
     m[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 

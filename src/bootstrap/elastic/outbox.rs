@@ -2,7 +2,7 @@
 //! receiver's control port, write one frame and close (a stopped rank's kernel holds it until
 //! it wakes). A refused connection is a fact sent back: nobody listens there any more.
 
-use crate::bootstrap::control::{reach, Reach};
+use crate::bootstrap::wire::port::{reach, Reach};
 use crate::bootstrap::wire::send_frame;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};

@@ -3,10 +3,10 @@
 //! one's port is closed (connections refused).
 
 use super::driver::{agree, bound, Decision};
-use crate::bootstrap::auth::KEY;
-use crate::bootstrap::control::seal;
-use crate::bootstrap::outcome::Control;
-use crate::bootstrap::retired::Answerer;
+use crate::bootstrap::elastic::retired::Answerer;
+use crate::bootstrap::wire::auth::KEY;
+use crate::bootstrap::wire::port::seal;
+use crate::bootstrap::wire::port::Control;
 use crate::bootstrap::wire::{listen, send_frame};
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, TcpStream};

@@ -9,9 +9,9 @@
 //! A newcomer learns nothing before it proves the secret (a nonce); a stranger is closed and
 //! logged, never fatal.
 
-use super::auth::{mac, mac_ok, random, KEY};
-use super::outcome::resolve;
-use super::wire::{
+use crate::bootstrap::rendezvous::outcome::resolve;
+use crate::bootstrap::wire::auth::{mac, mac_ok, random, KEY};
+use crate::bootstrap::wire::{
     listen, put_bytes, read_some, recv_frame, send_frame, whole_frame, Reader, CHALLENGE, VERSION,
 };
 use crate::config::Config;

@@ -1,10 +1,11 @@
-//! A rank's control port, as the shrink's agreement uses it (`elastic/`, `retired.rs`): its
-//! messages, sealed with the group's session key and the agreement's tag; reading the port
-//! (`Door`: bounded, strangers closed at their first bytes, never fatal); reaching another
-//! rank's (`reach`: a refusal means nobody listens).
+//! A rank's control port (`Control`: kept from the rendezvous for the communicator's life), as
+//! the shrink's agreement uses it (`elastic/`): its messages, sealed with the group's session
+//! key and the agreement's tag; reading the port (`Door`: bounded, strangers closed at their
+//! first bytes, never fatal); reaching another rank's (`reach`: a refusal means nobody
+//! listens).
 
 use super::auth::{mac, mac_ok, KEY};
-use super::wire::{read_some, whole_frame, Reader};
+use super::{read_some, whole_frame, Reader};
 use std::io::ErrorKind;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -15,6 +16,35 @@ const LIMIT: usize = 1 << 20;
 /// closed: a rank writes its frame whole as it connects), and how long one may take to send it.
 pub(crate) const MAX_PENDING: usize = 64;
 const SILENT_FOR: Duration = Duration::from_secs(2);
+
+/// What a rank keeps of the rendezvous to reach the others without the data path or rank 0 (a
+/// shrink after a failure): its own open listener and every rank's control port.
+pub struct Control {
+    /// This rank.
+    pub rank: usize,
+    /// Its control port, open for the communicator's life (connections wait in its backlog).
+    pub listener: TcpListener,
+    /// Every rank's host address, by rank.
+    pub addrs: Vec<String>,
+    /// Every rank's control port, by rank (0: it has none).
+    pub ports: Vec<u16>,
+    /// The group's session key, which control messages prove.
+    pub session: [u8; KEY],
+}
+
+impl Control {
+    /// A second handle on the same port (its listener's descriptor duplicated), for a thread
+    /// that answers on it while this one is kept.
+    pub fn try_clone(&self) -> std::io::Result<Control> {
+        Ok(Control {
+            rank: self.rank,
+            listener: self.listener.try_clone()?,
+            addrs: self.addrs.clone(),
+            ports: self.ports.clone(),
+            session: self.session,
+        })
+    }
+}
 
 /// A message of kind `kind` and `body` at epoch `epoch`, sealed with the session key.
 pub(crate) fn seal(key: &[u8; KEY], kind: u8, epoch: u32, body: &[u8]) -> Vec<u8> {

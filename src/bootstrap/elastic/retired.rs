@@ -4,12 +4,11 @@
 //! named, instead of going on as a group of its own. One thread serves every such port of the
 //! process, for the life of the communicators that follow.
 
-use super::control::Door;
-use super::elastic::agreement::{Event, Msg};
-use super::elastic::codec::{decode, encode, is_agreement_kind};
-use super::elastic::driver::Ended;
-use super::elastic::outbox::{Outbox, Ports};
-use super::outcome::Control;
+use super::agreement::{Event, Msg};
+use super::codec::{decode, encode, is_agreement_kind};
+use super::driver::Ended;
+use super::outbox::{Outbox, Ports};
+use crate::bootstrap::wire::port::{Control, Door};
 use std::time::Duration;
 
 /// A served control port and the agreement that ended on it.

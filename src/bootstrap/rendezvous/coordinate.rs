@@ -3,13 +3,14 @@
 //! once every rank is in sends each its table.
 
 use super::admission::{Admission, Verdict};
-use super::auth::{digest, mac, mac_ok, random, KEY};
 use super::fanout::{children_of, parent_of, Route};
 use super::hello::{decode_card, decode_hello, Card, Hello};
-use super::outcome::{resolve, Control, Rendezvous};
+use super::outcome::{resolve, Rendezvous};
 use super::table;
-use super::wire::*;
-use super::SideChannel;
+use crate::bootstrap::side_channel::SideChannel;
+use crate::bootstrap::wire::auth::{digest, mac, mac_ok, random, KEY};
+use crate::bootstrap::wire::port::Control;
+use crate::bootstrap::wire::*;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use std::io::ErrorKind;

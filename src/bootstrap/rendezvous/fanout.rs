@@ -11,10 +11,10 @@
 //! stranger knows), whose ranks wait a little longer a level: every rank below a rank that hung
 //! names that rank, not the one above it that waited too.
 
-use super::auth::{digest, KEY};
-use super::side_channel::parse_abort;
 use super::table::{send_all, Out};
-use super::wire::*;
+use crate::bootstrap::side_channel::parse_abort;
+use crate::bootstrap::wire::auth::{digest, KEY};
+use crate::bootstrap::wire::*;
 use crate::error::{Error, Result};
 use crate::Peer;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -367,7 +367,7 @@ fn note_stray(s: &TcpStream, what: &str) {
 /// A connection to `addr`:`port` (a rank's table listener, open since before its HELLO: a
 /// refusal is final, a slow network is tried again) by `deadline`.
 fn reach(addr: &str, port: u16, deadline: Instant) -> std::result::Result<TcpStream, String> {
-    super::control::reach(addr, port, deadline).map_err(|e| e.to_string())
+    crate::bootstrap::wire::port::reach(addr, port, deadline).map_err(|e| e.to_string())
 }
 
 /// Rank `me` passes `table` to the ranks `kids` (rank, address, listener port), all at once,

@@ -8,8 +8,8 @@
 //! joiner's nonce (O(1) a joiner, not a hash of the whole table), and writes to every joiner at
 //! once, so a joiner slow to read holds no other up.
 
-use super::auth::KEY;
-use super::wire::{Reader, MAX_FRAME};
+use crate::bootstrap::wire::auth::KEY;
+use crate::bootstrap::wire::{Reader, MAX_FRAME};
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, IoSlice, Write};
 use std::net::TcpStream;

@@ -2,7 +2,7 @@
 //! listener first, then publishes the address through the launcher's PMIx store, or listens at
 //! Slurm's first node and derived port; the other ranks fetch or derive it.
 
-use crate::bootstrap::pmix::Pmix;
+use crate::bootstrap::rendezvous::pmix::Pmix;
 use crate::config::{Config, Discovery};
 use crate::error::{Error, Result};
 use std::net::{IpAddr, TcpListener, ToSocketAddrs, UdpSocket};
@@ -70,7 +70,7 @@ pub fn meeting_point(cfg: &Config) -> Result<MeetingPoint> {
             let mut listener = None;
             if cfg.rank == 0 {
                 let ip = own_ip(&cfg)?;
-                let l = super::listen((ip.as_str(), 0))
+                let l = crate::bootstrap::wire::listen((ip.as_str(), 0))
                     .map_err(|e| Error::Bootstrap(format!("rank 0 cannot listen on {ip}: {e}")))?;
                 cfg.coordinator = l.local_addr()?.to_string();
                 pmix.publish(&key, &cfg.coordinator)?;
@@ -89,8 +89,8 @@ pub fn meeting_point(cfg: &Config) -> Result<MeetingPoint> {
 
 /// A listener on `port` of every interface (IPv6 and IPv4 where the host has both).
 fn listen_everywhere(port: u16) -> Result<TcpListener> {
-    super::listen(("::", port))
-        .or_else(|_| super::listen(("0.0.0.0", port)))
+    crate::bootstrap::wire::listen(("::", port))
+        .or_else(|_| crate::bootstrap::wire::listen(("0.0.0.0", port)))
         .map_err(|e| {
             Error::Bootstrap(format!(
                 "rank 0 cannot listen on port {port} (derived from SLURM_JOB_ID and \

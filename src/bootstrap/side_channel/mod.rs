@@ -1,9 +1,11 @@
 //! The side channel: the rendezvous' connections, kept open for the close barrier, aborts,
 //! stall reports (rank 0 judges whom the waits lead to) and goodbyes.
 
-use super::relay::{Event, Relay, Shared};
-use super::stalls::{verdict, STALL_VERDICT, STALL_WINDOW};
-use super::wire::*;
+mod relay;
+pub(crate) mod stalls;
+use self::relay::{Event, Relay, Shared};
+use self::stalls::{verdict, STALL_VERDICT, STALL_WINDOW};
+use crate::bootstrap::wire::*;
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream};
@@ -21,7 +23,7 @@ pub struct Probe {
     /// Its operations toward that rank, this one included if it sends there.
     pub seq_out: u64,
     /// Its operation's descriptor (the number in it is not read).
-    pub desc: [u8; super::DESC_BYTES],
+    pub desc: [u8; crate::bootstrap::DESC_BYTES],
     /// Whether its operation sends to the rank it waits on (as number `seq_out`).
     pub sends: bool,
     /// Whether its operation receives from the rank it waits on (as number `seq_in`).
@@ -66,7 +68,7 @@ pub struct SideChannel {
     /// Probes addressed to this rank, not yet read.
     probes: Vec<Probe>,
     /// What the rendezvous left to reach the group without this channel, until taken.
-    control: Option<super::outcome::Control>,
+    control: Option<crate::bootstrap::wire::port::Control>,
 }
 
 impl SideChannel {
@@ -532,12 +534,12 @@ impl SideChannel {
     }
 
     /// Keeps `c` until the communicator takes it ([`SideChannel::take_control`]).
-    pub(crate) fn keep_control(&mut self, c: super::outcome::Control) {
+    pub(crate) fn keep_control(&mut self, c: crate::bootstrap::wire::port::Control) {
         self.control = Some(c);
     }
 
     /// The control port and the group's ports, once.
-    pub(crate) fn take_control(&mut self) -> Option<super::outcome::Control> {
+    pub(crate) fn take_control(&mut self) -> Option<crate::bootstrap::wire::port::Control> {
         self.control.take()
     }
 

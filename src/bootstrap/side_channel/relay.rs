@@ -7,7 +7,7 @@
 //! once.
 
 use super::stalls::{verdict, STALL_WINDOW};
-use super::wire::*;
+use crate::bootstrap::wire::*;
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;

@@ -5,7 +5,7 @@
 //! job's rank that reached the same port, and is refused like a stranger.
 
 use super::hello::{first_difference, Hello};
-use super::wire::VERSION;
+use crate::bootstrap::wire::VERSION;
 
 /// What rank 0 does with a joiner.
 #[derive(Debug, PartialEq, Eq)]
@@ -136,8 +136,8 @@ impl<'a> Admission<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bootstrap::auth::KEY;
-    use crate::bootstrap::hello::Card;
+    use crate::bootstrap::rendezvous::hello::Card;
+    use crate::bootstrap::wire::auth::KEY;
 
     fn hello(rank: usize, size: usize, job: &str) -> Hello {
         Hello {

@@ -18,14 +18,25 @@
 //! digest, with an HMAC over the joiner's nonce when there is a secret, so a joiner cannot be
 //! fooled by a fake coordinator nor by a stranger at its table listener.
 
-pub use super::auth::{mac, mac_ok, random, KEY};
-use super::coordinate::{coordinate, Stop};
-pub use super::hello::Card;
-use super::join::join;
-pub use super::outcome::Rendezvous;
-use crate::bootstrap::discover::meeting_point;
+mod admission;
+mod coordinate;
+pub mod discover;
+mod fanout;
+pub(crate) mod hello;
+mod join;
+pub(crate) mod outcome;
+pub mod pmix;
+mod table;
+
+pub use crate::bootstrap::wire::auth::{mac, mac_ok, random, KEY};
 use crate::config::Config;
 use crate::error::Result;
+use coordinate::coordinate;
+pub(crate) use coordinate::Stop;
+use discover::meeting_point;
+pub use hello::Card;
+use join::join;
+pub use outcome::Rendezvous;
 use std::net::TcpListener;
 use std::time::Instant;
 

@@ -1,8 +1,8 @@
 //! What a joiner says at the rendezvous: its card (what its transport brings) and its HELLO,
 //! and their codecs.
 
-use super::auth::KEY;
-use super::wire::{put_bytes, Reader, MAGIC, VERSION};
+use crate::bootstrap::wire::auth::KEY;
+use crate::bootstrap::wire::{put_bytes, Reader, MAGIC, VERSION};
 use crate::config::Config;
 
 /// What a transport brings to the rendezvous: bytes for every peer (`common`) and, for each peer

@@ -1,5 +1,7 @@
 //! Frames on the bootstrap's connections, and the tags that say which transport a card is for.
 
+pub(crate) mod auth;
+pub(crate) mod port;
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};

@@ -1,13 +1,14 @@
 //! A non-zero rank's side of the rendezvous: reach rank 0, answer its challenge with a HELLO,
 //! (with a secret) check its proof before sending the card, and take the table.
 
-use super::auth::{digest, mac, mac_ok, random, KEY};
 use super::fanout::{self, children_of, Route};
 use super::hello::{encode_card, encode_hello, Card};
-use super::outcome::{resolve, Control, Rendezvous};
+use super::outcome::{resolve, Rendezvous};
 use super::table;
-use super::wire::*;
-use super::SideChannel;
+use crate::bootstrap::side_channel::SideChannel;
+use crate::bootstrap::wire::auth::{digest, mac, mac_ok, random, KEY};
+use crate::bootstrap::wire::port::Control;
+use crate::bootstrap::wire::*;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use std::io::ErrorKind;
