@@ -6,6 +6,9 @@ use std::collections::BTreeSet;
 
 impl Agreement {
     pub(super) fn recv(&mut self, now: Time, from: usize, msg: Msg, out: &mut Vec<Send>) {
+        if msg == Msg::Invite {
+            self.inviters.insert(from);
+        }
         if let Msg::Join { value, named } = &msg {
             self.heard.insert(from, *value);
             self.views.insert(from, named.iter().copied().collect());

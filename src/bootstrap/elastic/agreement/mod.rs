@@ -155,6 +155,8 @@ pub struct Agreement {
     /// The ranks each rank heard from named, as its JOIN said.
     views: BTreeMap<usize, BTreeSet<usize>>,
     lost: BTreeSet<usize>,
+    /// Collectors that invited this rank (alive when they did).
+    inviters: BTreeSet<usize>,
     /// Members this rank dropped for not acknowledging: back only by a JOIN of their own.
     dropped: BTreeSet<usize>,
     /// JOINs taken (at any phase), with their values.
@@ -203,6 +205,7 @@ impl Agreement {
             named,
             views: BTreeMap::new(),
             lost: BTreeSet::new(),
+            inviters: BTreeSet::new(),
             dropped: BTreeSet::new(),
             heard: BTreeMap::new(),
             round: 0,
@@ -307,10 +310,15 @@ impl Agreement {
         let c = (0..self.n)
             .find(|q| !self.suspects.contains(q))
             .unwrap_or(self.me);
-        if c == self.me {
-            self.collect(now, out);
-        } else {
-            self.seek(c, false, now, out);
+        // A collector that invited this rank is alive: after a silence it is joined rather
+        // than a lower rank never heard from (one alive and collecting invites everyone).
+        let invited = (self.inviters.iter())
+            .copied()
+            .find(|q| !self.suspects.contains(q) && !self.lost.contains(q));
+        match invited {
+            Some(i) if c != self.me || i < self.me => self.seek(i, true, now, out),
+            _ if c == self.me => self.collect(now, out),
+            _ => self.seek(c, false, now, out),
         }
     }
 
