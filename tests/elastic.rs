@@ -102,6 +102,14 @@ fn share_state(c: &Comm, s: u64, old: &[usize]) -> (u64, Vec<usize>) {
     (w[0], w[2..2 + len].iter().map(|&q| q as usize).collect())
 }
 
+/// The wall clock in milliseconds (the ranks share the host's: a fault's time against the
+/// survivors' recovery, for `tools/fault-bench`).
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
 /// This rank ends itself in the middle of its next operation: SIGKILL, or SIGSTOP with a
 /// helper that wakes it `wake` later; `replace`: SIGKILL, after starting its replacement
 /// (which shares this rank's output).
@@ -191,6 +199,7 @@ fn shrink_body() {
             } else {
                 how.as_str()
             };
+            println!("STRUCK {how} at {} ms", unix_ms());
             strike(how, timeout_s() + 1);
             // The signal lands 2 ms on, inside this step or while this rank waits here after it
             // (a short step would otherwise finish the run first): never past the next one.
@@ -244,9 +253,10 @@ fn shrink_body() {
                 let t1 = Instant::now();
                 step(&c, &op, s, &old).unwrap();
                 println!(
-                    "FIRST STEP after the shrink in {:.3}s ({:.3}s from the failure)",
+                    "FIRST STEP after the shrink in {:.3}s ({:.3}s from the failure) at {} ms",
                     t1.elapsed().as_secs_f64(),
-                    t0.elapsed().as_secs_f64()
+                    t0.elapsed().as_secs_f64(),
+                    unix_ms()
                 );
                 last_done = s;
                 s += 1;
@@ -291,7 +301,11 @@ struct Case {
 
 /// Runs `k`; checks every survivor went on with the same members (all but the victims), agreed
 /// on one least step no later than its own, and finished; returns the outputs by rank.
-fn run(name: &str, k: Case) -> Vec<RankResult> {
+fn run(name: &str, mut k: Case) -> Vec<RankResult> {
+    // A larger world for the fault benchmark (`tools/fault-bench`).
+    if let Some(n) = std::env::var("ELASTIC_N").ok().and_then(|v| v.parse().ok()) {
+        k.n = n;
+    }
     let lost: Vec<usize> = ranks_in_text(k.victims)
         .into_iter()
         .chain(ranks_in_text(k.later))
@@ -346,9 +360,11 @@ fn run(name: &str, k: Case) -> Vec<RankResult> {
     }
     let mut agreed: Option<String> = None;
     for x in &r {
-        for l in x.output.lines().filter(|l| {
+        // A child's first line follows the test harness' own on the same line: found anywhere.
+        for l in x.output.lines().filter_map(|l| {
             [
-                "FAILED",
+                "STRUCK ",
+                "FAILED step",
                 "SHRUNK",
                 "FIRST",
                 "SHRINK REFUSED",
@@ -357,7 +373,7 @@ fn run(name: &str, k: Case) -> Vec<RankResult> {
                 "REJOINED",
             ]
             .iter()
-            .any(|t| l.starts_with(t))
+            .find_map(|t| l.find(t).map(|i| &l[i..]))
         }) {
             println!("rank {}: {l}", x.rank);
         }
