@@ -114,8 +114,35 @@ pub(super) fn coordinate(
     listener: Option<TcpListener>,
     stop: Option<Stop>,
 ) -> Result<Rendezvous> {
-    let n = cfg.world_size;
     let sa = resolve(&cfg.coordinator)?;
+    let listener = open(sa, listener)?;
+    // Rank 0's control port (`Control`), beside the coordinator's; it is no condition of the
+    // group forming (a rank without one is skipped as a shrink's coordinator).
+    let control = if stop.is_none() {
+        open_control(cfg, sa)
+    } else {
+        None
+    };
+    let ours = cfg.shared_settings();
+    let mut g = Gathering::new(cfg, sa, &ours, stop);
+    loop {
+        match g.settled(deadline, stop) {
+            Some(Ok(())) => break,
+            Some(Err(e)) => return Err(e),
+            None => {}
+        }
+        let mut busy = g.accept(&listener)?;
+        busy |= g.read_hellos();
+        busy |= g.read_cards();
+        if !busy {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    hand_out(cfg, card, sa, control, g.joined, g.secret, deadline)
+}
+
+/// Rank 0's listener at the coordinator address `sa` (or the one given), non-blocking.
+fn open(sa: SocketAddr, listener: Option<TcpListener>) -> Result<TcpListener> {
     let listener = match listener {
         Some(l) => l,
         None => listen(sa).map_err(|e| {
@@ -131,53 +158,87 @@ pub(super) fn coordinate(
         })?,
     };
     listener.set_nonblocking(true)?;
-    // Rank 0's control port (`Control`), beside the coordinator's; it is no condition of the
-    // group forming (a rank without one is skipped as a shrink's coordinator).
-    let control = if stop.is_none() {
-        let mut at = match &cfg.bind_addr {
-            Some(a) => a
-                .parse::<std::net::IpAddr>()
-                .map_or(sa, |ip| SocketAddr::new(ip, 0)),
-            None => sa,
-        };
-        at.set_port(0);
-        listen(at)
-            .and_then(|l| Ok((l.local_addr()?.port(), l)))
-            .map(|(p, l)| (l, p))
-            .map_err(|e| log::warn!("rank 0 has no control port: {e}"))
-            .ok()
-    } else {
-        None
+    Ok(listener)
+}
+
+/// Rank 0's control port (and its number), beside `sa` or on the bound address; none (said at
+/// `warn`) where it cannot listen.
+fn open_control(cfg: &Config, sa: SocketAddr) -> Option<(TcpListener, u16)> {
+    let mut at = match &cfg.bind_addr {
+        Some(a) => a
+            .parse::<std::net::IpAddr>()
+            .map_or(sa, |ip| SocketAddr::new(ip, 0)),
+        None => sa,
     };
-    let secret = cfg.secret.as_ref().map(|s| s.bytes());
-    let ours = cfg.shared_settings();
-    let mut pending: Vec<Pending> = Vec::new();
-    let mut joined: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
-    let mut strays = Strays::default();
-    // Once the group cannot form, every rank still to come is told why as it arrives, so none
-    // waits out its timeout; rank 0 returns when all were told or at the deadline.
-    let mut adm = Admission::new(n, &cfg.job_id, secret.is_some(), &ours);
-    adm.fatal = stop.map(|s| match s {
-        Stop::Config(e) => format!("rank 0's configuration is invalid: {e}"),
-        Stop::Group(why, _) => why.to_string(),
-    });
-    // Who must hear it before rank 0 returns: a newcomer that never came is not waited for.
-    let to_tell = match stop {
-        Some(Stop::Group(_, members)) => members.min(n),
-        _ => n,
-    };
-    let mut told = vec![false; n];
-    told[0] = true;
-    loop {
-        let count = joined
+    at.set_port(0);
+    listen(at)
+        .and_then(|l| Ok((l.local_addr()?.port(), l)))
+        .map(|(p, l)| (l, p))
+        .map_err(|e| log::warn!("rank 0 has no control port: {e}"))
+        .ok()
+}
+
+/// Rank 0's rendezvous while the ranks come: the connections whose HELLO is coming, the ranks
+/// in, the judge, and who has been told that the group cannot form.
+struct Gathering<'a> {
+    cfg: &'a Config,
+    n: usize,
+    sa: SocketAddr,
+    secret: Option<&'a [u8]>,
+    pending: Vec<Pending>,
+    joined: Vec<Option<Joined>>,
+    strays: Strays,
+    adm: Admission<'a>,
+    told: Vec<bool>,
+    /// Ranks below this must be told before rank 0 returns a refusal.
+    to_tell: usize,
+}
+
+impl<'a> Gathering<'a> {
+    fn new(cfg: &'a Config, sa: SocketAddr, ours: &'a str, stop: Option<Stop>) -> Self {
+        let n = cfg.world_size;
+        let secret = cfg.secret.as_ref().map(|s| s.bytes());
+        // Once the group cannot form, every rank still to come is told why as it arrives, so
+        // none waits out its timeout; rank 0 returns when all were told or at the deadline.
+        let mut adm = Admission::new(n, &cfg.job_id, secret.is_some(), ours);
+        adm.fatal = stop.map(|s| match s {
+            Stop::Config(e) => format!("rank 0's configuration is invalid: {e}"),
+            Stop::Group(why, _) => why.to_string(),
+        });
+        let mut told = vec![false; n];
+        told[0] = true;
+        Gathering {
+            cfg,
+            n,
+            sa,
+            secret,
+            pending: Vec::new(),
+            joined: (0..n).map(|_| None).collect(),
+            strays: Strays::default(),
+            adm,
+            told,
+            // Who must hear it before rank 0 returns: a newcomer that never came is not waited
+            // for.
+            to_tell: match stop {
+                Some(Stop::Group(_, members)) => members.min(n),
+                _ => n,
+            },
+        }
+    }
+
+    /// Whether the rendezvous is over: every rank in (`Ok`), or refused or timed out (`Err`,
+    /// every rank in told why).
+    fn settled(&mut self, deadline: Instant, stop: Option<Stop>) -> Option<Result<()>> {
+        let count = self
+            .joined
             .iter()
             .flatten()
             .filter(|j| j.awaiting.is_none())
             .count();
-        if adm.fatal.is_none() && count == n - 1 {
+        if self.adm.fatal.is_none() && count == self.n - 1 {
             // A rank whose connection died while it waited (it may be restarted) is not in.
             let mut dead = false;
-            for (r, slot) in joined.iter_mut().enumerate() {
+            for (r, slot) in self.joined.iter_mut().enumerate() {
                 if slot.as_ref().is_some_and(|j| peer_closed(&j.sock)) {
                     log::warn!(
                         "rank {r} left the rendezvous before the group formed; waiting for it to \
@@ -188,44 +249,51 @@ pub(super) fn coordinate(
                 }
             }
             if !dead {
-                break;
+                return Some(Ok(()));
             }
         }
-        if let Some(f) = &adm.fatal {
-            if told[..to_tell].iter().all(|&t| t) || Instant::now() >= deadline {
-                return Err(match stop {
+        if let Some(f) = &self.adm.fatal {
+            if self.told[..self.to_tell].iter().all(|&t| t) || Instant::now() >= deadline {
+                return Some(Err(match stop {
                     Some(Stop::Config(e)) => Error::Config(e.to_string()),
                     _ => Error::Bootstrap(f.clone()),
-                });
+                }));
             }
         }
         if Instant::now() >= deadline {
-            let missing: Vec<usize> = (1..n).filter(|&r| joined[r].is_none()).collect();
+            let missing: Vec<usize> = (1..self.n).filter(|&r| self.joined[r].is_none()).collect();
             let reason = format!(
-                "rank(s) {missing:?} of {n} never joined at {} within {:?}{}",
-                cfg.coordinator,
-                cfg.timeout,
-                strays.said()
+                "rank(s) {missing:?} of {} never joined at {} within {:?}{}",
+                self.n,
+                self.cfg.coordinator,
+                self.cfg.timeout,
+                self.strays.said()
             );
-            for j in joined.iter_mut().flatten() {
+            for j in self.joined.iter_mut().flatten() {
                 let _ = j.sock.set_write_timeout(Some(Duration::from_secs(1)));
                 let _ = send_frame(&j.sock, ABORT, reason.as_bytes());
             }
-            return Err(Error::Bootstrap(reason));
+            return Some(Err(Error::Bootstrap(reason)));
         }
+        None
+    }
+
+    /// New connections: greeted with a challenge, then served as their bytes come; whether
+    /// any came.
+    fn accept(&mut self, listener: &TcpListener) -> Result<bool> {
         let mut busy = false;
-        // New connections: greeted with a challenge, then served as their bytes come; when
-        // MAX_PENDING are held, the oldest makes room (idle strangers cannot keep a rank out).
+        // When MAX_PENDING are held, the oldest makes room (idle strangers cannot keep a rank
+        // out).
         let mut accepted = 0;
         while accepted < MAX_PENDING {
             match listener.accept() {
                 Ok((s, from)) => {
                     busy = true;
                     accepted += 1;
-                    if pending.len() >= MAX_PENDING {
+                    if self.pending.len() >= MAX_PENDING {
                         evict_oldest(
-                            &mut pending,
-                            &mut strays,
+                            &mut self.pending,
+                            &mut self.strays,
                             "closed unauthenticated: oldest of too many",
                         );
                     }
@@ -235,10 +303,10 @@ pub(super) fn coordinate(
                     if send_frame(&s, CHALLENGE, &nonce).is_err()
                         || s.set_nonblocking(true).is_err()
                     {
-                        strays.note(from, "closed before the challenge");
+                        self.strays.note(from, "closed before the challenge");
                         continue;
                     }
-                    pending.push(Pending {
+                    self.pending.push(Pending {
                         sock: s,
                         from,
                         buf: Vec::new(),
@@ -253,29 +321,36 @@ pub(super) fn coordinate(
                     static SAID: crate::diag::Repeated = crate::diag::Repeated::new();
                     if let Some(before) = SAID.allow() {
                         log::warn!(
-                            "accept on {sa}: {e}; closing the oldest unauthenticated \
-                             connection and pausing ({before} times before)"
+                            "accept on {}: {e}; closing the oldest unauthenticated \
+                             connection and pausing ({before} times before)",
+                            self.sa
                         );
                     }
                     evict_oldest(
-                        &mut pending,
-                        &mut strays,
+                        &mut self.pending,
+                        &mut self.strays,
                         "closed unauthenticated: no descriptor left",
                     );
                     break;
                 }
-                Err(e) => return Err(Error::Bootstrap(format!("accept on {sa}: {e}"))),
+                Err(e) => return Err(Error::Bootstrap(format!("accept on {}: {e}", self.sa))),
             }
         }
-        let hello_limit = if secret.is_some() {
+        Ok(busy)
+    }
+
+    /// Reads what each connection has sent; a whole HELLO is judged at once. Whether any came.
+    fn read_hellos(&mut self) -> bool {
+        let mut busy = false;
+        let hello_limit = if self.secret.is_some() {
             HELLO_BYTES
         } else {
-            card_limit(n)
+            card_limit(self.n)
         };
         // Read what each has sent; a whole HELLO is judged at once.
         let mut i = 0;
-        while i < pending.len() {
-            let p = &mut pending[i];
+        while i < self.pending.len() {
+            let p = &mut self.pending[i];
             let (moved, mut gone) = read_some(&p.sock, &mut p.buf, hello_limit);
             busy |= moved;
             let whole = match whole_frame(&p.buf, hello_limit) {
@@ -289,23 +364,36 @@ pub(super) fn coordinate(
                 i += 1;
                 continue;
             }
-            let p = pending.swap_remove(i);
+            let p = self.pending.swap_remove(i);
             if !whole {
-                strays.note(p.from, gone.unwrap_or("sent no hello within 10 s"));
+                self.strays
+                    .note(p.from, gone.unwrap_or("sent no hello within 10 s"));
                 continue;
             }
-            admit(p, secret, &mut adm, &mut joined, &mut strays, &mut told);
+            admit(
+                p,
+                self.secret,
+                &mut self.adm,
+                &mut self.joined,
+                &mut self.strays,
+                &mut self.told,
+            );
         }
-        while pending.iter().map(|p| p.buf.capacity()).sum::<usize>() > PENDING_BYTES {
+        while self.pending.iter().map(|p| p.buf.capacity()).sum::<usize>() > PENDING_BYTES {
             evict_oldest(
-                &mut pending,
-                &mut strays,
+                &mut self.pending,
+                &mut self.strays,
                 "closed unauthenticated: too many bytes held",
             );
         }
-        // With a secret, the cards of ranks that took rank 0's proof.
-        if let Some(k) = secret {
-            for (r, slot) in joined.iter_mut().enumerate() {
+        busy
+    }
+
+    /// With a secret, the cards of ranks that took rank 0's proof; whether any came.
+    fn read_cards(&mut self) -> bool {
+        let mut busy = false;
+        if let Some(k) = self.secret {
+            for (r, slot) in self.joined.iter_mut().enumerate() {
                 let Some(j) = slot.as_mut() else {
                     continue;
                 };
@@ -313,16 +401,16 @@ pub(super) fn coordinate(
                     continue;
                 };
                 let _ = j.sock.set_nonblocking(true);
-                let (moved, mut gone) = read_some(&j.sock, buf, card_limit(n));
+                let (moved, mut gone) = read_some(&j.sock, buf, card_limit(self.n));
                 busy |= moved;
                 let mut card = None;
-                match whole_frame(buf, card_limit(n)) {
+                match whole_frame(buf, card_limit(self.n)) {
                     Ok(true) => {
                         let frame = &buf[5..];
                         card = (buf[4] == CARD && frame.len() >= KEY)
                             .then(|| frame.split_at(frame.len() - KEY))
                             .filter(|(body, tag)| mac_ok(k, &[b"card", &challenge[..], body], tag))
-                            .and_then(|(body, _)| decode_card(body, n));
+                            .and_then(|(body, _)| decode_card(body, self.n));
                         gone = gone.or(card.is_none().then_some("a bad card"));
                     }
                     Ok(false) if gone.is_none() && Instant::now() < *until => continue,
@@ -336,18 +424,30 @@ pub(super) fn coordinate(
                 } else {
                     // It may join again (a restarted rank).
                     let why = gone.unwrap_or("a bad card");
-                    strays.note(
-                        j.sock.peer_addr().unwrap_or(sa),
+                    self.strays.note(
+                        j.sock.peer_addr().unwrap_or(self.sa),
                         &format!("rank {r} authenticated, then {why}"),
                     );
                     *slot = None;
                 }
             }
         }
-        if !busy {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        busy
     }
+}
+
+/// Every rank is in: each gets its own table (and its route along the tree), then the side
+/// channel and the control port are kept.
+fn hand_out(
+    cfg: &Config,
+    card: &Card,
+    sa: SocketAddr,
+    control: Option<(TcpListener, u16)>,
+    joined: Vec<Option<Joined>>,
+    secret: Option<&[u8]>,
+    deadline: Instant,
+) -> Result<Rendezvous> {
+    let n = cfg.world_size;
     // Every rank is in: each gets its own table.
     let session = random::<KEY>();
     let mut full: Vec<Card> = vec![card.clone()];
@@ -410,9 +510,52 @@ pub(super) fn coordinate(
             .encode()
         })
         .collect();
+    table_bytes += send_tables(&socks, &routes, &tables, shared, secret, &addrs, deadline)?;
+    let mut streams: Vec<Option<TcpStream>> = vec![None];
+    for (sock, _) in socks {
+        sock.set_write_timeout(None)?;
+        streams.push(Some(sock));
+    }
+    // Rank 0's part that grows with the world (the cost model's table term).
+    log::debug!(
+        "rendezvous of {n} ranks: {table_bytes} bytes of routes and tables sent in {:.1} ms",
+        tables_from.elapsed().as_secs_f64() * 1e3
+    );
+    let mut side = SideChannel::new(0, streams, addrs.clone(), cfg.timeout);
+    if let Some((listener, _)) = control {
+        side.keep_control(Control {
+            rank: 0,
+            listener,
+            addrs: addrs.clone(),
+            ports,
+            session,
+        });
+    }
+    Ok(Rendezvous {
+        cards,
+        addrs,
+        session,
+        side,
+    })
+}
+
+/// Sends each joiner its route, then the table to those rank 0 writes it to (`shared`: one
+/// table along the tree; else one each), by `deadline` (a second at least); the bytes sent.
+/// A joiner that stops reading fails the rendezvous, and every other one is told.
+fn send_tables(
+    socks: &[(TcpStream, [u8; KEY])],
+    routes: &[Vec<u8>],
+    tables: &[Vec<u8>],
+    shared: bool,
+    secret: Option<&[u8]>,
+    addrs: &[String],
+    deadline: Instant,
+) -> Result<usize> {
+    let n = socks.len() + 1;
+    let mut table_bytes = 0;
     let tags: Vec<[u8; KEY]> = socks
         .iter()
-        .zip(&routes)
+        .zip(routes)
         .map(|((_, nonce), route)| secret.map_or([0; KEY], |s| mac(s, &[b"route", nonce, route])))
         .collect();
     let mut outs: Vec<table::Out> = socks
@@ -465,33 +608,7 @@ pub(super) fn coordinate(
             reason,
         });
     }
-    drop(outs);
-    let mut streams: Vec<Option<TcpStream>> = vec![None];
-    for (sock, _) in socks {
-        sock.set_write_timeout(None)?;
-        streams.push(Some(sock));
-    }
-    // Rank 0's part that grows with the world (the cost model's table term).
-    log::debug!(
-        "rendezvous of {n} ranks: {table_bytes} bytes of routes and tables sent in {:.1} ms",
-        tables_from.elapsed().as_secs_f64() * 1e3
-    );
-    let mut side = SideChannel::new(0, streams, addrs.clone(), cfg.timeout);
-    if let Some((listener, _)) = control {
-        side.keep_control(Control {
-            rank: 0,
-            listener,
-            addrs: addrs.clone(),
-            ports,
-            session,
-        });
-    }
-    Ok(Rendezvous {
-        cards,
-        addrs,
-        session,
-        side,
-    })
+    Ok(table_bytes)
 }
 
 /// Acts on rank 0's verdict ([`Admission::judge`]) on the whole HELLO of `p`: a stranger is
