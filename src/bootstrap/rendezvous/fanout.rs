@@ -177,17 +177,6 @@ pub(super) fn take_forwarded(
         rank: route.parent,
         addr: route.parent_addr.clone(),
     };
-    let named = |failed: usize, reason: String| Error::PeerFailed {
-        peer: Peer {
-            rank: failed,
-            addr: if failed == route.parent {
-                route.parent_addr.clone()
-            } else {
-                String::new()
-            },
-        },
-        reason,
-    };
     let mut head = vec![0u8; 64 << 10];
     let mut pending: Vec<Pending> = Vec::new();
     let mut polls = Vec::new();
@@ -205,7 +194,7 @@ pub(super) fn take_forwarded(
                     format!("rank 0 sent message {k:?} while this rank waited for its table"),
                 ),
             };
-            break Err(named(failed, why));
+            break Err(named(route, failed, why));
         }
         if let Some(why) = gone {
             break Err(Error::PeerFailed {
@@ -221,71 +210,10 @@ pub(super) fn take_forwarded(
                 ),
             });
         }
-        let (mut accept_failed, mut accepted) = (false, 0);
-        loop {
-            // When full, those just accepted are read before any is judged to make room.
-            if pending.len() >= MAX_PENDING && accepted > 0 {
-                break;
-            }
-            match listener.accept() {
-                Ok((sock, _)) => {
-                    busy = true;
-                    accepted += 1;
-                    if pending.len() >= MAX_PENDING {
-                        // The oldest that has not begun a frame of this group makes room.
-                        let i = (0..pending.len())
-                            .filter(|&i| !pending[i].begun(route))
-                            .min_by_key(|&i| pending[i].until)
-                            .unwrap_or(0);
-                        note_stray(&pending.swap_remove(i).sock, "closed: too many held");
-                    }
-                    if sock.set_nonblocking(true).is_ok() {
-                        pending.push(Pending {
-                            sock,
-                            buf: Vec::new(),
-                            until: Instant::now() + SILENT_WITHIN,
-                        });
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                // Out of descriptors and the like: the connections held go on, accepting pauses.
-                Err(_) => {
-                    accept_failed = true;
-                    break;
-                }
-            }
-        }
-        let mut found = None;
-        let mut i = 0;
-        while i < pending.len() {
-            let p = &mut pending[i];
-            let (moved, gone) = read_some(&p.sock, &mut p.buf, limit);
-            if moved {
-                busy = true;
-                p.until = Instant::now() + SILENT_WITHIN;
-            }
-            let whole = whole_frame(&p.buf, limit);
-            if gone.is_none() && whole == Ok(false) && Instant::now() < p.until {
-                i += 1;
-                continue;
-            }
-            let p = pending.swap_remove(i);
-            if whole == Ok(true) && p.begun(route) {
-                let body = &p.buf[5..4 + frame_len(&p.buf)];
-                if p.buf[4] == TABLE && digest(body) == route.digest {
-                    found = Some(Ok(body.to_vec()));
-                    break;
-                }
-                if p.buf[4] == ABORT {
-                    // A verdict from the rank above, proved by the digest.
-                    let (failed, why) = parse_abort(&body[KEY..], route.parent, n);
-                    found = Some(Err(named(failed, why)));
-                    break;
-                }
-            }
-            note_stray(&p.sock, gone.unwrap_or("not the table rank 0 vouched for"));
-        }
+        let (got, accept_failed) = accept_callers(listener, &mut pending, route);
+        busy |= got;
+        let (got, found) = read_callers(&mut pending, route, limit, n);
+        busy |= got;
         if let Some(t) = found {
             break t;
         }
@@ -318,6 +246,110 @@ pub(super) fn take_forwarded(
     };
     let _ = to_rank0.set_nonblocking(false);
     result
+}
+
+/// Takes the connections waiting at `listener` into `pending` (at most MAX_PENDING held: the
+/// oldest that has not begun a frame of this group makes room); whether any came, and whether
+/// accepting failed (out of descriptors: those held go on, accepting pauses).
+fn accept_callers(
+    listener: &TcpListener,
+    pending: &mut Vec<Pending>,
+    route: &Route,
+) -> (bool, bool) {
+    let mut busy = false;
+    let (mut accept_failed, mut accepted) = (false, 0);
+    loop {
+        // When full, those just accepted are read before any is judged to make room.
+        if pending.len() >= MAX_PENDING && accepted > 0 {
+            break;
+        }
+        match listener.accept() {
+            Ok((sock, _)) => {
+                busy = true;
+                accepted += 1;
+                if pending.len() >= MAX_PENDING {
+                    // The oldest that has not begun a frame of this group makes room.
+                    let i = (0..pending.len())
+                        .filter(|&i| !pending[i].begun(route))
+                        .min_by_key(|&i| pending[i].until)
+                        .unwrap_or(0);
+                    note_stray(&pending.swap_remove(i).sock, "closed: too many held");
+                }
+                if sock.set_nonblocking(true).is_ok() {
+                    pending.push(Pending {
+                        sock,
+                        buf: Vec::new(),
+                        until: Instant::now() + SILENT_WITHIN,
+                    });
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // Out of descriptors and the like: the connections held go on, accepting pauses.
+            Err(_) => {
+                accept_failed = true;
+                break;
+            }
+        }
+    }
+    (busy, accept_failed)
+}
+
+/// Reads what each caller in `pending` sent: the table rank 0 vouched for (its digest), or a
+/// verdict from the rank above; anything else is closed as a stray. Whether any bytes came.
+fn read_callers(
+    pending: &mut Vec<Pending>,
+    route: &Route,
+    limit: usize,
+    n: usize,
+) -> (bool, Option<Result<Vec<u8>>>) {
+    let mut busy = false;
+    let mut found = None;
+    let mut i = 0;
+    while i < pending.len() {
+        let p = &mut pending[i];
+        let (moved, gone) = read_some(&p.sock, &mut p.buf, limit);
+        if moved {
+            busy = true;
+            p.until = Instant::now() + SILENT_WITHIN;
+        }
+        let whole = whole_frame(&p.buf, limit);
+        if gone.is_none() && whole == Ok(false) && Instant::now() < p.until {
+            i += 1;
+            continue;
+        }
+        let p = pending.swap_remove(i);
+        if whole == Ok(true) && p.begun(route) {
+            let body = &p.buf[5..4 + frame_len(&p.buf)];
+            if p.buf[4] == TABLE && digest(body) == route.digest {
+                found = Some(Ok(body.to_vec()));
+                break;
+            }
+            if p.buf[4] == ABORT {
+                // A verdict from the rank above, proved by the digest.
+                let (failed, why) = parse_abort(&body[KEY..], route.parent, n);
+                found = Some(Err(named(route, failed, why)));
+                break;
+            }
+        }
+        note_stray(&p.sock, gone.unwrap_or("not the table rank 0 vouched for"));
+    }
+    (busy, found)
+}
+
+/// The error naming rank `failed` (its address where it is the parent) for `reason`.
+fn named(route: &Route, failed: usize, reason: String) -> Error {
+    Error::PeerFailed {
+        peer: Peer {
+            rank: failed,
+            addr: if failed == route.parent {
+                route.parent_addr.clone()
+            } else {
+                String::new()
+            },
+        },
+        reason,
+    }
 }
 
 /// A whole frame (kind and body) waiting on `s`, taken only once whole (rank 0 sends short ones
