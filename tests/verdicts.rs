@@ -321,3 +321,50 @@ crate::matrix_shm!(
     faults_are_found_fast_with_every_polling_mode,
     a_set_up_failure_is_told_to_every_rank
 );
+
+/// Three ranks in an all_reduce, timeout T: rank 2 is busy outside rdmacomm for 3 T before it
+/// calls. Ranks 0 and 1 are told that rank 2 stopped making progress while it waits on nobody
+/// (not that the ranks wait on each other).
+fn busy_body() {
+    let (r, _) = rank_size();
+    let timeout: u64 = env_or("RDMACOMM_TIMEOUT", "2").parse().unwrap();
+    let c = Comm::from_env().unwrap();
+    c.barrier().unwrap();
+    if r == 2 {
+        std::thread::sleep(Duration::from_secs(3 * timeout));
+    }
+    let mut v = vec![0u8; 8 << 20];
+    let e = c
+        .all_reduce(rdmacomm::AllReduce::Sum, rdmacomm::DType::f32, &mut v)
+        .unwrap_err();
+    let msg = e.to_string();
+    println!("rank {r}: {msg}");
+    if r < 2 {
+        assert_eq!(e.peer().map(|p| p.rank), Some(2), "rank {r}: {msg}");
+        assert!(
+            msg.contains("waits on nobody") && !msg.contains("wait on each other"),
+            "rank {r}: {msg}"
+        );
+    }
+    println!("BUSY-NAMED rank {r}");
+}
+
+#[test]
+fn a_rank_busy_outside_rdmacomm_is_named_as_such() {
+    const NAME: &str = "a_rank_busy_outside_rdmacomm_is_named_as_such";
+    if !parent_ready(NAME, busy_body) {
+        return;
+    }
+    let out = spawn(
+        NAME,
+        3,
+        Placement::Local,
+        &|_| {
+            let t = if require_rdma() { "6" } else { "2" };
+            vec![("RDMACOMM_TIMEOUT".into(), t.into())]
+        },
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&out);
+    assert!(out.iter().all(|x| x.output.contains("BUSY-NAMED")));
+}
