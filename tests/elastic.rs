@@ -264,6 +264,10 @@ fn shrink_body() {
         }
     }
     println!("DONE world {:?}", old);
+    if var("SHRINK_LINGER") == "1" {
+        // Alive (its old port answering) while a stalled coordinator wakes and asks.
+        std::thread::sleep(Duration::from_secs(2 * timeout_s() + 1));
+    }
     if how == "stop" {
         // Alive while the stopped rank wakes (the helper wakes it a second past the timeout
         // after it stopped, once the others named it and shrank) and is told it was left out.
@@ -279,6 +283,7 @@ const KILL: Case = Case {
     later: "",
     how: "kill",
     fault: None,
+    linger: false,
     grow: false,
     file: false,
     debug: false,
@@ -297,6 +302,8 @@ struct Case {
     later: &'static str,
     how: &'static str,
     fault: Option<(usize, &'static str)>,
+    /// Whether the survivors stay alive for two timeouts after they are done.
+    linger: bool,
 }
 
 /// Runs `k`; checks every survivor went on with the same members (all but the victims), agreed
@@ -325,6 +332,9 @@ fn run(name: &str, mut k: Case) -> Vec<RankResult> {
             ];
             if k.grow {
                 v.push(("ELASTIC_GROW".into(), "1".into()));
+            }
+            if k.linger {
+                v.push(("SHRINK_LINGER".into(), "1".into()));
             }
             if k.debug {
                 v.push(("RDMACOMM_DEBUG".into(), "info".into()));
@@ -464,6 +474,13 @@ case!(
     }
 );
 case!(
+    a_coordinator_lost_after_its_decision_is_dropped_too,
+    Case {
+        fault: Some((0, "exit-after-decide")),
+        ..KILL
+    }
+);
+case!(
     a_group_shrinks_twice,
     Case {
         n: 5,
@@ -472,6 +489,36 @@ case!(
         ..KILL
     }
 );
+
+/// Rank 0 coordinates the shrink after rank 2 is killed, then stalls for three timeouts right
+/// after its decision (the test hook). Ranks 1 and 3 give up on it and go on as a group of
+/// their own; woken, rank 0 decides again and is told that its members went on without it:
+/// it is refused, named, and forms no group of one (before, it dropped them and went on alone).
+#[test]
+fn a_coordinator_stalled_after_its_decision_is_left_out_not_alone() {
+    const NAME: &str = "a_coordinator_stalled_after_its_decision_is_left_out_not_alone";
+    if !debug_hooks(NAME) || !parent_ready(NAME, shrink_body) {
+        return;
+    }
+    if require_rdma() {
+        println!("SKIPPED: the agreement is the transports' alike; the host runs it");
+        return;
+    }
+    let r = run(
+        NAME,
+        Case {
+            fault: Some((0, "stall-after-decide")),
+            linger: true,
+            ..KILL
+        },
+    );
+    let x = &r[0];
+    assert!(
+        x.output.contains("SHRINK REFUSED") && x.output.contains("left out"),
+        "rank 0: {}",
+        x.output
+    );
+}
 
 /// The survivors carry their connections to each other into the shrunk group (TCP connections
 /// on the host, queue pairs over RDMA in the VM), drained of what the failed all_reduce left in
@@ -667,6 +714,7 @@ matrix_shm!(
     two_ranks_killed_at_once_are_shrunk_away,
     a_subgroup_that_lost_a_member_shrinks_too,
     a_grow_one_member_fails_is_undone_on_every_member,
+    a_coordinator_lost_after_its_decision_is_dropped_too,
 );
 
 /// The members grow by one; a newcomer comes (`GROW_NEWCOMER`, started by rank 0) or not, and

@@ -111,6 +111,7 @@ pub(crate) fn agree(
     let mut door = Door::default();
     // Where the machine was before the clock ended it (for a timeout's error).
     let mut was = a.describe();
+    let mut stalled = false;
     let outcome = loop {
         if let Some(o) = a.outcome() {
             break o.clone();
@@ -122,6 +123,7 @@ pub(crate) fn agree(
         }
         // What has arrived is read before the clock is looked at.
         let (frames, busy) = door.poll(&ctl.listener, tag, is_agreement_kind);
+        let polled = clock();
         for (kind, body) in frames {
             let now = clock();
             let Some(r) = decode(&ctl.session, tag, kind, &body, n, now) else {
@@ -140,7 +142,24 @@ pub(crate) fn agree(
             );
             post(sends, &meets, now);
         }
+        if a.is_deciding() && !stalled {
+            // The test hooks: a coordinator that stops reading, or dies, right after its
+            // decision went out.
+            if crate::diag::test_fault("stall-after-decide") {
+                stalled = true;
+                std::thread::sleep(3 * timeout);
+            }
+            if crate::diag::test_fault("exit-after-decide") {
+                out.flush(Instant::now() + Duration::from_secs(1));
+                std::process::exit(9);
+            }
+        }
         let now = clock();
+        if now.saturating_sub(polled) > ms(g) {
+            // This thread was held (a stopped process, a starved CPU) since it last read the
+            // port: what arrived meanwhile is read before the clock ends a wait.
+            continue;
+        }
         if a.deadline().is_some_and(|d| d <= now) {
             was = a.describe();
             let sends = a.handle(now, Event::Timer);

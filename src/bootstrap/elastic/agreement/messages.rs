@@ -14,9 +14,13 @@ impl Agreement {
             self.views.insert(from, named.iter().copied().collect());
             self.dropped.remove(&from);
         }
-        // A rank that has returned answers: members GO, the others OUT.
+        // A rank that has returned answers: members GO, the others OUT (a coordinator woken
+        // past its window that decides again learns where its members went).
         if let Phase::Ended(o) = &self.phase {
-            let asks = matches!(msg, Msg::Join { .. } | Msg::Invite | Msg::Follow { .. });
+            let asks = matches!(
+                msg,
+                Msg::Join { .. } | Msg::Invite | Msg::Follow { .. } | Msg::Decide(_)
+            );
             if let (Outcome::Decided(d), true) = (o, asks) {
                 let reply = if d.members.contains(&from) {
                     Msg::Go(d.clone())

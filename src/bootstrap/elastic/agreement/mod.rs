@@ -236,6 +236,11 @@ impl Agreement {
         }
     }
 
+    /// Whether this rank has decided and awaits its members' acknowledgements.
+    pub fn is_deciding(&self) -> bool {
+        matches!(self.phase, Phase::Deciding { .. })
+    }
+
     /// Whom the rank waits on now (for errors and stall reports).
     pub fn waiting_on(&self) -> Option<usize> {
         match &self.phase {
