@@ -43,6 +43,7 @@ struct Rank {
     /// It calls by then (or never, when None).
     calls_by: Option<Time>,
     suspects: Vec<usize>,
+    value: u64,
     machine: Option<Agreement>,
 }
 
@@ -85,6 +86,9 @@ struct Scenario {
     suspects: Vec<Vec<usize>>,
     /// The latest tick each survivor calls (None: never).
     calls_by: Vec<Option<Time>>,
+    /// The value each rank brings (empty: 10 + its rank); in a grow's commit, all ones for a
+    /// member that met the grown group, its rank for one that did not.
+    values: Vec<u64>,
 }
 
 struct Shrink {
@@ -134,6 +138,7 @@ impl Shrink {
                     called: None,
                     calls_by: s.calls_by[r],
                     suspects: s.suspects[r].clone(),
+                    value: s.values.get(r).copied().unwrap_or(10 + r as u64),
                     machine: None,
                 })
                 .collect(),
@@ -288,7 +293,7 @@ fn step(st: &State, a: Action) -> Option<State> {
         Action::Call(q) => {
             let n = st.ranks.len();
             let r = &mut st.ranks[q];
-            let (m, sends) = Agreement::start(q, n, &r.suspects, 10 + q as u64, now, T, GRACE);
+            let (m, sends) = Agreement::start(q, n, &r.suspects, r.value, now, T, GRACE);
             r.machine = Some(m);
             r.called = Some(now);
             post(&mut st, q, now, sends);
@@ -342,6 +347,7 @@ impl Model for Shrink {
             Property::always("no responsive rank left out", |_, st| none_left_out(st)),
             Property::always("returns within the bound", within_bound),
             Property::always("the protected meet", has_members),
+            Property::always("one grow outcome", one_grow_outcome),
         ]
     }
 }
@@ -385,6 +391,27 @@ fn none_left_out(st: &State) -> bool {
             Some(Outcome::LeftOut { .. } | Outcome::TimedOut { .. })
         )
     })
+}
+
+/// A grow's commit (`Comm::grow`): the grown group goes on where the decision holds every
+/// member and every value is all ones (each met it); anything else undoes the grow.
+fn grown(d: &Decision, n: usize) -> bool {
+    d.members.len() == n && d.all == u64::MAX
+}
+
+/// Property 5: a grow goes on grown on every member or on none. Where a live member that was
+/// never cut off holds a grown decision, no other such member ends otherwise: not undone, not
+/// left out, not timed out (a member killed later fails the grown group by name).
+fn one_grow_outcome(_: &Shrink, st: &State) -> bool {
+    let n = st.ranks.len();
+    let live = || {
+        st.ranks
+            .iter()
+            .filter(|r| r.life != Life::Dead && !r.cut && r.called.is_some())
+            .filter_map(outcome)
+    };
+    let any_grown = live().any(|o| matches!(o, Outcome::Decided(d) if grown(d, n)));
+    !any_grown || live().all(|o| matches!(o, Outcome::Decided(d) if grown(d, n)))
 }
 
 /// Every protected rank returns within the bound for the faults that happened.
@@ -436,6 +463,7 @@ fn scenarios(n: usize, times: &[Time]) -> Vec<Scenario> {
                     dead: vec![dead],
                     suspects,
                     calls_by,
+                    values: vec![],
                 });
             }
         }
@@ -541,6 +569,7 @@ fn explore() {
         dead,
         suspects,
         calls_by: calls,
+        values: vec![],
     };
     let crashes = var("AGREEMENT_CRASHES", "0").parse().unwrap();
     let stops = var("AGREEMENT_STOPS", "0").parse().unwrap();
@@ -606,6 +635,7 @@ fn simulate(n: usize, seed: u64) -> Result<usize, String> {
         dead,
         suspects,
         calls_by,
+        values: vec![],
     };
     let mut m = Shrink::new(vec![sc.clone()], 2, 2);
     m.reduce = false;
@@ -678,6 +708,7 @@ fn a_silent_coordinator_leaves_the_others_a_group() {
             dead: vec![3],
             suspects: vec![vec![], s(0), s(1), vec![]],
             calls_by: vec![None, Some(0), Some(1), None],
+            values: vec![],
         });
     }
     check(
@@ -696,6 +727,7 @@ fn survivors_suspecting_differently_form_one_group() {
         dead: vec![],
         suspects: vec![vec![], vec![0], vec![0], vec![]],
         calls_by: vec![Some(2 * T), Some(T), Some(T), Some(0)],
+        values: vec![],
     }];
     check(
         Shrink::new(v.clone(), 0, 1),
@@ -709,8 +741,37 @@ fn survivors_suspecting_differently_form_one_group() {
         dead: vec![],
         suspects: vec![vec![2], vec![2], vec![], vec![2]],
         calls_by: vec![Some(0), Some(0), Some(T), Some(1)],
+        values: vec![],
     }];
     check(Shrink::new(v, 0, 1), "4 ranks, rank 2 named by all, a stop");
+}
+
+/// Grow's commit (`Comm::grow`: the members agree through this machine, each bringing all ones
+/// if it met the grown group, its rank if not): 3 members, every mix of met and unmet, all
+/// entering the commit at once or the last a timeout late, with a crash at any step; with a
+/// stop (and a wake) at any step, all met, or rank 0 or rank 2 did not. Property 5: grown on
+/// every member or on none.
+#[test]
+fn a_grows_commit_ends_alike_on_every_member() {
+    let commit = |met: u32, late: bool| Scenario {
+        n: 3,
+        dead: vec![],
+        suspects: vec![vec![]; 3],
+        calls_by: vec![Some(0), Some(0), Some(if late { T } else { 0 })],
+        values: (0..3)
+            .map(|q| if met >> q & 1 == 1 { u64::MAX } else { q })
+            .collect(),
+    };
+    let v = (0..8).flat_map(|m| [commit(m, false), commit(m, true)]);
+    check(
+        Shrink::new(v.collect(), 1, 0),
+        "grow's commit, 3 members, a crash",
+    );
+    let v = [0b111, 0b110, 0b011].map(|m| commit(m, false));
+    check(
+        Shrink::new(v.to_vec(), 0, 1),
+        "grow's commit, 3 members, a stop",
+    );
 }
 
 /// Every scenario of 4 ranks (nightly: `-- --ignored four_ranks`).

@@ -777,6 +777,83 @@ fn failed_grow(name: &str, newcomer: bool) -> Vec<RankResult> {
     )
 }
 
+/// Grow's commit loses its coordinator: rank 0 dies right after its decision went out (the
+/// test hook). The other members agree without it that the grow is undone, each failing with
+/// rank 0 named; their shrink of the old communicator then gives ranks 1 and 2 a group (an
+/// all_reduce there, checked against a scalar sum). No member goes on grown.
+#[test]
+fn a_coordinator_lost_in_a_grows_commit_leaves_every_member_undone() {
+    const NAME: &str = "a_coordinator_lost_in_a_grows_commit_leaves_every_member_undone";
+    if !debug_hooks(NAME) || !parent_ready(NAME, lost_commit_body) {
+        return;
+    }
+    if require_rdma() {
+        println!("SKIPPED: the commit is the transports' alike; the host runs it");
+        return;
+    }
+    let r = spawn(
+        NAME,
+        3,
+        Placement::Local,
+        &|rank| {
+            let mut v = vec![
+                ("RDMACOMM_TIMEOUT".to_string(), timeout_s().to_string()),
+                ("GROW_NEWCOMER".into(), "1".into()),
+            ];
+            if rank == 0 {
+                v.push(("RDMACOMM_TEST_FAULT".into(), "exit-after-decide".into()));
+            }
+            v
+        },
+        Duration::from_secs(90),
+    );
+    assert_ne!(r[0].code, Some(0), "rank 0 lives on: {}", r[0].output);
+    for x in &r[1..] {
+        assert_eq!(x.code, Some(0), "rank {}: {}", x.rank, x.output);
+        assert!(
+            x.output.contains("GROW UNDONE")
+                && x.output.contains("rank(s) [0]")
+                && x.output.contains("DONE the shrunk group of [1, 2]"),
+            "rank {}: {}",
+            x.rank,
+            x.output
+        );
+    }
+}
+
+/// Rank 0 starts a newcomer and all grow by one; a member whose grow fails shrinks the old
+/// communicator and checks an all_reduce there.
+fn lost_commit_body() {
+    let (r, _) = rank_size();
+    if var("ELASTIC_NEWCOMER") == "1" {
+        // Its grown group lost rank 0 and was dropped by the others: its first operation fails.
+        let c = Comm::rejoin_from_env().unwrap();
+        let mut b = [0u8; 8];
+        println!("NEWCOMER: {:?}", c.broadcast(0, &mut b));
+        return;
+    }
+    let c = Comm::from_env().unwrap();
+    if r == 0 {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(std::env::args().skip(1))
+            .env("ELASTIC_NEWCOMER", "1")
+            .env_remove("RDMACOMM_TEST_FAULT")
+            .spawn()
+            .map(std::mem::forget) // it outlives this call; it ends on its own
+            .unwrap();
+    }
+    match c.grow(1) {
+        Ok(g) => panic!("rank {r}: the grow went on as {} ranks", g.size()),
+        Err(e) => println!("GROW UNDONE: {e}"),
+    }
+    let (s, agreed) = c.shrink(0).unwrap();
+    let mut v = (r as f64 + 1.0).to_le_bytes();
+    s.all_reduce(AllReduce::Sum, DType::f64, &mut v).unwrap();
+    let want: usize = agreed.members.iter().map(|q| q + 1).sum();
+    assert_eq!(f64::from_le_bytes(v), want as f64);
+    println!("DONE the shrunk group of {:?}", agreed.members);
+}
+
 /// A grow no newcomer comes to fails on every member at once: the group goes on (before, rank 0
 /// returned a timeout after the others, whose next operation could time out on it).
 #[test]

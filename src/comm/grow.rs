@@ -2,8 +2,11 @@
 //! (their rank 0's lobby, `bootstrap/elastic/lobby.rs`) and meet with them as a new communicator; the
 //! old one ends here alone, as after a shrink.
 
+use super::shrink::{agreement_tag, GROW_COMMIT};
 use super::*;
+use crate::bootstrap::elastic::driver::agree;
 use crate::bootstrap::elastic::lobby::{knock, Lobby, Welcome};
+use crate::bootstrap::elastic::retired::Answerer;
 use crate::bootstrap::rendezvous::rendezvous_by;
 use crate::bootstrap::Stop;
 
@@ -18,9 +21,10 @@ impl Comm {
     /// awaited for the timeout (`RDMACOMM_TIMEOUT`). Rank 0 admits them where they look for it:
     /// at the address it writes to `RDMACOMM_COORDINATOR_FILE`, else at the world's coordinator
     /// address. A grow that fails (a newcomer did not come within the timeout, or a member did
-    /// not meet the grown group: the members commit over this communicator) leaves this
+    /// not meet the grown group: the members agree on it, as a shrink does) leaves this
     /// communicator as it was, on every member, all returning within about the timeout; one
-    /// that succeeds ends it: drop it.
+    /// that succeeds ends it: drop it. A member lost during that agreement fails this
+    /// communicator on every other member, naming it: shrink it then.
     pub fn grow(&self, k: usize) -> Result<Comm> {
         if self.view.is_some() {
             return Err(Error::InvalidArgument(
@@ -102,28 +106,92 @@ impl Comm {
             }
             None => rendezvous_by(&meet_cfg, card, None, deadline, None),
         });
-        // The commit: the members learn, over this communicator, whether every one of them met
-        // the grown group; if one did not, all keep this one and the grown group is dropped.
-        let mut met = [u8::from(link.is_ok())];
+        // The commit: the members agree over their control ports (the model-checked agreement
+        // of `shrink`), each bringing whether it met the grown group, and go on grown only if
+        // the decision holds every member and every one met it.
+        let mut met = link.is_ok();
         // The test hook: the last member fails after the others met (lost at the barrier).
         if crate::diag::test_fault("grow-unmet") && r == n - 1 {
-            met[0] = 0;
+            met = false;
         }
-        let mut all = vec![0u8; n];
-        self.all_gather(&met, &mut all)?;
-        let link = link?;
-        if let Some(q) = all.iter().position(|&m| m != 1) {
+        match self.commit(met, size) {
+            Ok(answerer) => {
+                let link = link.expect("a member that met holds the grown group's link");
+                // The old communicator's later calls are refused, but its teardown meets the
+                // others at the close barrier (a member that went first must not fail one still
+                // in the commit).
+                self.poison_with(format!(
+                    "rank {r} left this communicator (epoch {}) for its grown successor of {size} \
+                     ranks",
+                    self.core.epoch
+                ));
+                let c = self.successor(cfg, Some(link), epoch);
+                if let Some(a) = answerer {
+                    c.core
+                        .answerers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(a);
+                }
+                Ok(c)
+            }
+            Err(e) => Err(match link {
+                Err(why) if met => Error::Bootstrap(format!("{e}; this rank: {why}")),
+                _ => e,
+            }),
+        }
+    }
+
+    /// Grow's commit: whether every member met the grown group (this one: `met`), agreed by
+    /// all. On success the old control port's answerer, for members that ask late; an error
+    /// says which member did not meet (this communicator goes on), or which were lost or
+    /// silent during the commit (this communicator is failed, naming them: shrink it).
+    fn commit(&self, met: bool, size: usize) -> Result<Option<Answerer>> {
+        let (n, r) = (self.size, self.rank);
+        let mut control = self.core.control.lock().unwrap_or_else(|e| e.into_inner());
+        let ctl = control.as_ref().ok_or_else(|| {
+            Error::Bootstrap(format!(
+                "grow: rank {r} has no control port to commit through (this communicator was \
+                 shrunk already, or its rendezvous gave it none)"
+            ))
+        })?;
+        let tag = agreement_tag(self.core.epoch, GROW_COMMIT);
+        // A member enters the commit when its meeting ends: up to its deadline (twice the
+        // timeout) after the others, who wait for it that long and a timeout more.
+        let wait = 3 * self.cfg.timeout;
+        // A member's value: all ones if it met, else its rank (the least names who did not).
+        let value = if met { u64::MAX } else { r as u64 };
+        let agreed = agree(ctl, tag, &[], value, wait, "a grow's commit");
+        let (d, ended) = agreed.inspect_err(|e| self.poison(e))?;
+        if d.members.len() < n {
+            let gone: Vec<usize> = (0..n).filter(|q| !d.members.contains(q)).collect();
+            let e = Error::PeerFailed {
+                peer: crate::error::Peer {
+                    rank: gone[0],
+                    addr: ctl.addrs.get(gone[0]).cloned().unwrap_or_default(),
+                },
+                reason: format!(
+                    "grow: rank(s) {gone:?} were lost or silent during the grow's commit: the \
+                     grow is undone on every member, and ranks {:?} go on (shrink this \
+                     communicator)",
+                    d.members
+                ),
+            };
+            self.poison(&e);
+            return Err(e);
+        }
+        if d.all != u64::MAX {
             return Err(Error::Bootstrap(format!(
-                "grow: rank {q} did not meet the grown group of {size}: the grow is undone on                  every member (this communicator goes on)"
+                "grow: rank {} did not meet the grown group of {size}: the grow is undone on \
+                 every member (this communicator goes on)",
+                d.least
             )));
         }
-        // The group is whole: later calls are refused, but the teardown meets the others at the
-        // close barrier (a member that went first must not fail one still in the commit).
-        self.poison_with(format!(
-            "rank {r} left this communicator (epoch {}) for its grown successor of {size} ranks",
-            self.core.epoch
-        ));
-        Ok(self.successor(cfg, Some(link), epoch))
+        // The old port is the answerer's now (its own descriptor): a member that missed the
+        // GO learns it there.
+        let answerer = ctl.try_clone().ok().map(|p| Answerer::start(p, tag, ended));
+        drop(control.take());
+        Ok(answerer)
     }
 
     /// Joins a running group as a newcomer, admitted when its members call [`Comm::grow`]:

@@ -23,6 +23,16 @@ pub struct Agreed {
 /// lost between the agreement and its rendezvous).
 const MEETINGS: usize = 3;
 
+/// The tag of a generation's agreement: shrink's attempts `0..MEETINGS`, then grow's commit.
+pub(super) fn agreement_tag(epoch: u32, attempt: usize) -> u32 {
+    epoch
+        .wrapping_mul(MEETINGS as u32 + 1)
+        .wrapping_add(attempt as u32)
+}
+
+/// The attempt number of a grow's commit ([`agreement_tag`]).
+pub(super) const GROW_COMMIT: usize = MEETINGS;
+
 /// How long the members drain the connections they keep at most: past it a connection whose
 /// peer's fence has not come is closed, and dialed again when first needed.
 const DRAIN_FOR: Duration = Duration::from_secs(2);
@@ -79,12 +89,8 @@ impl Comm {
         let (comm, agreed) = loop {
             // Each attempt agrees under its own tag: an ended attempt's answers are not the
             // next one's.
-            let tag = self
-                .core
-                .epoch
-                .wrapping_mul(MEETINGS as u32 + 1)
-                .wrapping_add(meetings as u32);
-            let (d, ended) = agree(ctl, tag, &suspects, value, t)?;
+            let tag = agreement_tag(self.core.epoch, meetings);
+            let (d, ended) = agree(ctl, tag, &suspects, value, t, "a shrink")?;
             self.retire_for(&format!(
                 "its shrunk successor of {} rank(s)",
                 d.members.len()

@@ -60,13 +60,15 @@ pub(crate) fn bound(n: usize, timeout: Duration) -> Duration {
 
 /// Agrees with the other survivors of `ctl`'s group on who goes on, this rank suspecting
 /// `suspects` and bringing `value`, each wait `timeout`; messages sealed under `tag` (one per
-/// generation and attempt). An error names whom this rank waited on, or who left it out.
+/// generation and attempt); `what` names the call in errors ("a shrink"). An error names whom
+/// this rank waited on, or who left it out.
 pub(crate) fn agree(
     ctl: &Control,
     tag: u32,
     suspects: &[usize],
     value: u64,
     timeout: Duration,
+    what: &str,
 ) -> Result<(Decision, Ended)> {
     let (n, me) = (ctl.ports.len(), ctl.rank);
     let start = Instant::now();
@@ -176,7 +178,7 @@ pub(crate) fn agree(
         Outcome::Decided(d) => {
             let Some(meet) = meets.get(&d.coordinator).cloned().filter(|m| !m.is_empty()) else {
                 return Err(Error::Bootstrap(format!(
-                    "rank {me}: the shrink's decision by rank {} came without its meeting point",
+                    "rank {me}: {what}'s decision by rank {} came without its meeting point",
                     d.coordinator
                 )));
             };
@@ -201,7 +203,7 @@ pub(crate) fn agree(
         }),
         Outcome::TimedOut { waited_on } => Err(Error::Timeout {
             peer: peer(waited_on),
-            what: format!("a shrink's agreement, seen from rank {me} (it {was} last)"),
+            what: format!("{what}'s agreement, seen from rank {me} (it {was} last)"),
             after: start.elapsed(),
         }),
     }

@@ -57,7 +57,7 @@ fn run(ctls: &mut [Option<Control>], parts: Vec<Part>, t: Duration) -> Vec<Got> 
             let c = ctls[p.rank].take().unwrap();
             std::thread::spawn(move || {
                 std::thread::sleep(p.delay);
-                match agree(&c, 5, &p.suspects, 100 + p.rank as u64, t) {
+                match agree(&c, 5, &p.suspects, 100 + p.rank as u64, t, "a shrink") {
                     Ok((d, ended)) => (p.rank, Ok(d), Some(Answerer::start(c, 5, ended))),
                     Err(e) => (p.rank, Err(e), None),
                 }
@@ -159,7 +159,7 @@ fn a_rank_that_asks_after_the_decision_is_told_it_was_left_out() {
     for (r, m) in members(&got) {
         assert_eq!(m, Ok(vec![0, 1]), "rank {r}");
     }
-    match agree(&two.unwrap(), 5, &[], 102, t) {
+    match agree(&two.unwrap(), 5, &[], 102, t, "a shrink") {
         Err(Error::LeftOut { by, reason }) => {
             assert!(by.rank < 2 && reason.contains("[0, 1]"), "{reason}")
         }
