@@ -22,6 +22,7 @@ mod admission;
 mod coordinate;
 pub mod discover;
 mod fanout;
+mod hand_out;
 pub(crate) mod hello;
 mod join;
 pub(crate) mod outcome;
