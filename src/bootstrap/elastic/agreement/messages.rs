@@ -114,15 +114,14 @@ impl Agreement {
         out: &mut Vec<Send>,
     ) {
         let g = self.grace;
+        if self.meets_collector(now, from, &msg, until, out) {
+            return;
+        }
         match msg {
             Msg::Join { .. } => {
                 Self::follow(out, from, self.me, until, true);
                 self.check_collected(now, out);
             }
-            Msg::Invite | Msg::Follow { .. } if from < self.me && self.is_collector(&msg, from) => {
-                self.defer(from, now, out)
-            }
-            Msg::Invite => Self::follow(out, from, self.me, until, true),
             Msg::Follow {
                 coord, until: u, ..
             } if coord != self.me => {
@@ -146,6 +145,9 @@ impl Agreement {
         out: &mut Vec<Send>,
     ) {
         let g = self.grace;
+        if self.meets_collector(now, from, &msg, until, out) {
+            return;
+        }
         match msg {
             Msg::Ack { round, joined } if round == d.round && d.members.contains(&from) => {
                 acks.insert(from);
@@ -189,10 +191,6 @@ impl Agreement {
                 };
                 self.phase = Phase::Deciding { d, acks, until };
             }
-            Msg::Invite | Msg::Follow { .. } if from < self.me && self.is_collector(&msg, from) => {
-                self.defer(from, now, out)
-            }
-            Msg::Invite => Self::follow(out, from, self.me, until, true),
             _ => {}
         }
     }
@@ -214,6 +212,26 @@ impl Agreement {
             Msg::Join { .. } | Msg::Invite => Self::follow(out, from, c, until, true),
             _ => {}
         }
+    }
+
+    /// A collecting or deciding rank's answer to another that collects: it defers to a lower
+    /// one, and tells a higher one's INVITE that it collects itself. Whether `msg` was such.
+    fn meets_collector(
+        &mut self,
+        now: Time,
+        from: usize,
+        msg: &Msg,
+        until: Time,
+        out: &mut Vec<Send>,
+    ) -> bool {
+        if from < self.me && self.is_collector(msg, from) {
+            self.defer(from, now, out);
+        } else if *msg == Msg::Invite {
+            Self::follow(out, from, self.me, until, true);
+        } else {
+            return false;
+        }
+        true
     }
 
     /// Whether `msg` from `from` says that `from` collects.
