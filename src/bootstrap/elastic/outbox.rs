@@ -20,6 +20,7 @@ pub(crate) struct Ports {
 }
 
 struct Job {
+    ports: Arc<Ports>,
     to: usize,
     kind: u8,
     frame: Vec<u8>,
@@ -27,6 +28,7 @@ struct Job {
 
 /// Messages on their way; the ranks found gone.
 pub(crate) struct Outbox {
+    ports: Arc<Ports>,
     jobs: Option<Sender<Job>>,
     lost: Receiver<usize>,
     pending: Arc<AtomicUsize>,
@@ -39,12 +41,10 @@ impl Outbox {
         let (jobs, rx) = channel::<Job>();
         let (lost_tx, lost) = channel();
         let rx = Arc::new(Mutex::new(rx));
-        let ports = Arc::new(ports);
         let pending = Arc::new(AtomicUsize::new(0));
         let workers = workers.clamp(1, WORKERS);
         for i in 0..workers {
-            let (rx, ports, lost_tx, pending) =
-                (rx.clone(), ports.clone(), lost_tx.clone(), pending.clone());
+            let (rx, lost_tx, pending) = (rx.clone(), lost_tx.clone(), pending.clone());
             // Workers that cannot start leave the others the work; a worker drains the queue
             // after the outbox is dropped (a GO still goes out), then ends.
             let _ = std::thread::Builder::new()
@@ -52,13 +52,14 @@ impl Outbox {
                 .spawn(move || loop {
                     let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                     let Ok(job) = job else { break };
-                    if matches!(deliver(&ports, &job, dial_for), Err(Reach::Refused)) {
+                    if matches!(deliver(&job, dial_for), Err(Reach::Refused)) {
                         let _ = lost_tx.send(job.to);
                     }
                     pending.fetch_sub(1, Ordering::AcqRel);
                 });
         }
         Outbox {
+            ports: Arc::new(ports),
             jobs: Some(jobs),
             lost,
             pending,
@@ -67,9 +68,20 @@ impl Outbox {
 
     /// Queues a frame of kind `kind` to rank `to`.
     pub(crate) fn send(&self, to: usize, kind: u8, frame: Vec<u8>) {
+        self.send_to(self.ports.clone(), to, kind, frame);
+    }
+
+    /// Queues a frame of kind `kind` to rank `to` of another group's `ports`.
+    pub(crate) fn send_to(&self, ports: Arc<Ports>, to: usize, kind: u8, frame: Vec<u8>) {
         if let Some(jobs) = &self.jobs {
             self.pending.fetch_add(1, Ordering::AcqRel);
-            if jobs.send(Job { to, kind, frame }).is_err() {
+            let job = Job {
+                ports,
+                to,
+                kind,
+                frame,
+            };
+            if jobs.send(job).is_err() {
                 self.pending.fetch_sub(1, Ordering::AcqRel);
             }
         }
@@ -96,7 +108,8 @@ impl Drop for Outbox {
 }
 
 /// Dials rank `job.to` and writes the frame.
-fn deliver(ports: &Ports, job: &Job, dial_for: Duration) -> Result<(), Reach> {
+fn deliver(job: &Job, dial_for: Duration) -> Result<(), Reach> {
+    let ports = &job.ports;
     let (Some(addr), Some(&port)) = (ports.addrs.get(job.to), ports.ports.get(job.to)) else {
         return Err(Reach::Failed("no such rank".into()));
     };

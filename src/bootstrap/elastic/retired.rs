@@ -9,12 +9,15 @@ use super::codec::{decode, encode, is_agreement_kind};
 use super::driver::Ended;
 use super::outbox::{Outbox, Ports};
 use crate::bootstrap::wire::port::{Control, Door};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A served control port and the agreement that ended on it.
 struct Retired {
     id: u64,
     ctl: Control,
+    /// Where its group's ranks are, for answers.
+    ports: Arc<Ports>,
     tag: u32,
     ended: Ended,
     door: Door,
@@ -39,8 +42,13 @@ impl Answerer {
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         if ctl.listener.set_nonblocking(true).is_ok() {
             let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
+            let ports = Arc::new(Ports {
+                addrs: ctl.addrs.clone(),
+                ports: ctl.ports.clone(),
+            });
             all.push(Retired {
                 id,
+                ports,
                 ctl,
                 tag,
                 ended,
@@ -67,9 +75,16 @@ impl Drop for Answerer {
     }
 }
 
-/// The thread that answers at every served port.
+/// The thread that answers at every served port; its answers go out through one outbox.
 fn serve_retired() {
+    let none = Ports {
+        addrs: Vec::new(),
+        ports: Vec::new(),
+    };
+    let out = Outbox::new(none, Duration::from_secs(1), 2);
     loop {
+        // Nobody acts on a retired group's refusals: they are only drained.
+        drop(out.lost());
         let (mut busy, mut idle) = (false, false);
         {
             let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
@@ -78,7 +93,7 @@ fn serve_retired() {
                 let (frames, got) = r.door.poll(&r.ctl.listener, r.tag, is_agreement_kind);
                 busy |= got;
                 for (kind, body) in frames {
-                    answer(r, kind, &body);
+                    answer(r, kind, &body, &out);
                 }
             }
         }
@@ -89,8 +104,8 @@ fn serve_retired() {
     }
 }
 
-/// The ended machine's answer to one frame, sent off this thread.
-fn answer(r: &mut Retired, kind: u8, body: &[u8]) {
+/// The ended machine's answer to one frame, sent off this thread through `out`.
+fn answer(r: &mut Retired, kind: u8, body: &[u8], out: &Outbox) {
     let (n, me) = (r.ctl.ports.len(), r.ctl.rank);
     let Some(m) = decode(&r.ctl.session, r.tag, kind, body, n, 0) else {
         return;
@@ -100,11 +115,6 @@ fn answer(r: &mut Retired, kind: u8, body: &[u8]) {
     if sends.is_empty() {
         return;
     }
-    let ports = Ports {
-        addrs: r.ctl.addrs.clone(),
-        ports: r.ctl.ports.clone(),
-    };
-    let out = Outbox::new(ports, Duration::from_secs(1), 1);
     for s in sends {
         if let Msg::Out(d) = &s.msg {
             log::warn!(
@@ -114,7 +124,6 @@ fn answer(r: &mut Retired, kind: u8, body: &[u8]) {
             );
         }
         let (kind, frame) = encode(&r.ctl.session, r.tag, me, &s.msg, &r.ended.meet, 0);
-        out.send(s.to, kind, frame);
+        out.send_to(r.ports.clone(), s.to, kind, frame);
     }
-    // Dropped: its workers finish the sends and end.
 }
