@@ -3,8 +3,8 @@
 //! once every rank is in sends each its table.
 
 use super::admission::{Admission, Verdict};
-use super::hand_out::hand_out;
-use super::hello::{decode_card, decode_hello, Card, Hello};
+use super::hand_out::{hand_out, Joined};
+use super::hello::{decode_card, decode_hello, Card};
 use super::outcome::{resolve, Rendezvous};
 use crate::bootstrap::wire::auth::{mac, mac_ok, random, KEY};
 use crate::bootstrap::wire::*;
@@ -32,14 +32,6 @@ struct Pending {
     buf: Vec<u8>,
     nonce: [u8; KEY],
     until: Instant,
-}
-
-/// A rank that joined.
-pub(super) struct Joined {
-    pub(super) sock: TcpStream,
-    pub(super) hello: Hello,
-    /// With a secret, until its card came: the bytes so far, rank 0's challenge, a deadline.
-    pub(super) awaiting: Option<(Vec<u8>, [u8; KEY], Instant)>,
 }
 
 /// Connections rank 0 ignored, each logged (thinned out when many) and remembered for a

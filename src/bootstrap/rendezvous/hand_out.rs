@@ -2,9 +2,8 @@
 //! tree and its table (`table.rs`, `fanout.rs`), and rank 0 keeps the side channel and its
 //! control port.
 
-use super::coordinate::Joined;
 use super::fanout::{children_of, parent_of, Route};
-use super::hello::Card;
+use super::hello::{Card, Hello};
 use super::outcome::Rendezvous;
 use super::table;
 use crate::bootstrap::side_channel::SideChannel;
@@ -15,6 +14,14 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
+
+/// A rank that joined.
+pub(super) struct Joined {
+    pub(super) sock: TcpStream,
+    pub(super) hello: Hello,
+    /// With a secret, until its card came: the bytes so far, rank 0's challenge, a deadline.
+    pub(super) awaiting: Option<(Vec<u8>, [u8; KEY], Instant)>,
+}
 
 /// Every rank is in: each gets its own table (and its route along the tree), then the side
 /// channel and the control port are kept.
