@@ -480,6 +480,17 @@ case!(
         ..KILL
     }
 );
+// Killed while it sends GO (the test hook: after the first): one member holds the decision,
+// the other only its pledge. The holder answers GO at its old port while it tries to meet, so
+// the other learns the decision; both fail to meet the dead coordinator and agree again,
+// together (the finding: one left out, the other alone).
+case!(
+    a_coordinator_lost_while_it_sends_go_is_dropped_too,
+    Case {
+        fault: Some((0, "exit-while-go")),
+        ..KILL
+    }
+);
 case!(
     a_group_shrinks_twice,
     Case {

@@ -87,7 +87,14 @@ pub(crate) fn agree(
     };
     let out = Outbox::new(ports, timeout.min(g.max(Duration::from_secs(1))), n - 1);
     let post = |sends: Vec<Send>, meets: &BTreeMap<usize, String>, now: Time| {
+        let mut gos = 0;
         for s in sends {
+            // The test hook: a coordinator killed while it sends GO (one member has it).
+            gos += usize::from(matches!(s.msg, Msg::Go(_)));
+            if gos == 2 && crate::diag::test_fault("exit-while-go") {
+                out.flush(Instant::now() + Duration::from_secs(1));
+                std::process::exit(9);
+            }
             let meet = match &s.msg {
                 Msg::Decide(d) | Msg::Go(d) | Msg::Out(d) => meets.get(&d.coordinator),
                 _ => None,
