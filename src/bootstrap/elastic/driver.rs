@@ -44,6 +44,8 @@ pub(crate) struct Ended {
     pub machine: Agreement,
     /// Where the decided group meets.
     pub meet: String,
+    /// The port's callers whose frame was still coming: the answerer reads on.
+    pub door: Door,
 }
 
 /// How long a message may take to cross and be answered, for a wait of `timeout`: the model
@@ -199,7 +201,14 @@ pub(crate) fn agree(
                 listener: (d.coordinator == me).then_some(own),
                 identity: identity(&ctl.session, tag),
             };
-            Ok((decision, Ended { machine: a, meet }))
+            Ok((
+                decision,
+                Ended {
+                    machine: a,
+                    meet,
+                    door,
+                },
+            ))
         }
         Outcome::LeftOut { by, members } => Err(Error::LeftOut {
             by: peer(by),

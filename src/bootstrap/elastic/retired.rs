@@ -35,7 +35,7 @@ pub(crate) struct Answerer {
 impl Answerer {
     /// Answers on `ctl`'s port, for the agreement tagged `tag` that ended as `ended`, until
     /// dropped.
-    pub(crate) fn start(ctl: Control, tag: u32, ended: Ended) -> Answerer {
+    pub(crate) fn start(ctl: Control, tag: u32, mut ended: Ended) -> Answerer {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         static NEXT: AtomicU64 = AtomicU64::new(1);
         static SERVING: AtomicBool = AtomicBool::new(false);
@@ -51,8 +51,9 @@ impl Answerer {
                 ports,
                 ctl,
                 tag,
+                // A frame half read when the agreement ended is read on, not dropped.
+                door: std::mem::take(&mut ended.door),
                 ended,
-                door: Door::default(),
             });
         }
         // One thread for the process; started again where it could not be.

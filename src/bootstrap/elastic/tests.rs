@@ -209,3 +209,53 @@ fn strangers_at_the_control_port_are_ignored() {
     assert!(start.elapsed() < t, "{:?}", start.elapsed());
     drop(strangers);
 }
+
+#[test]
+fn a_frame_half_read_when_the_agreement_ends_is_answered() {
+    // Rank 2 (silent) begins a JOIN to rank 0 while ranks 0 and 1 agree, and ends it once they
+    // have: the ended agreement takes over the connection half read, and rank 2 is told.
+    use super::agreement::Msg;
+    use super::codec::{decode, encode, is_agreement_kind};
+    use crate::bootstrap::wire::port::Door;
+    use std::io::Write;
+    let t = Duration::from_millis(500);
+    let mut ctls = group(3);
+    let two = ctls[2].take().unwrap();
+    let at = SocketAddr::new("127.0.0.1".parse().unwrap(), two.ports[0]);
+    let join = Msg::Join {
+        value: 102,
+        named: vec![],
+    };
+    let (kind, body) = encode(&two.session, 5, 2, &join, "", 0);
+    let mut wire = (body.len() as u32 + 1).to_le_bytes().to_vec();
+    wire.push(kind);
+    wire.extend_from_slice(&body);
+    let mut s = TcpStream::connect(at).unwrap();
+    s.write_all(&wire[..9]).unwrap();
+    let got = run(&mut ctls, vec![part(0, 0, &[]), part(1, 0, &[])], t);
+    for (r, m) in members(&got) {
+        assert_eq!(m, Ok(vec![0, 1]), "rank {r}");
+    }
+    s.write_all(&wire[9..]).unwrap();
+    two.listener.set_nonblocking(true).unwrap();
+    let mut door = Door::default();
+    let until = Instant::now() + Duration::from_secs(2);
+    let told = loop {
+        let (frames, _) = door.poll(&two.listener, 5, is_agreement_kind);
+        // The collectors' INVITEs came while rank 2 was silent: the answer is what counts.
+        let answer = frames
+            .into_iter()
+            .filter_map(|(k, b)| decode(&two.session, 5, k, &b, 3, 0))
+            .find(|r| matches!(r.msg, Msg::Out(_) | Msg::Go(_)));
+        if let Some(r) = answer {
+            break Some(r.msg);
+        }
+        assert!(Instant::now() < until, "rank 2 was never answered");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    match told {
+        Some(Msg::Out(d)) => assert_eq!(d.members, vec![0, 1]),
+        other => panic!("rank 2 was told {other:?}"),
+    }
+    drop(got);
+}
