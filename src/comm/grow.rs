@@ -4,7 +4,7 @@
 
 use super::shrink::{agreement_tag, GROW_COMMIT};
 use super::*;
-use crate::bootstrap::elastic::driver::agree;
+use crate::bootstrap::elastic::driver::{agree, Attempt, Step};
 use crate::bootstrap::elastic::lobby::{knock, Lobby, Welcome};
 use crate::bootstrap::elastic::retired::Answerer;
 use crate::bootstrap::rendezvous::rendezvous_by;
@@ -161,8 +161,21 @@ impl Comm {
         let wait = 3 * self.cfg.timeout;
         // A member's value: all ones if it met, else its rank (the least names who did not).
         let value = if met { u64::MAX } else { r as u64 };
-        let agreed = agree(ctl, tag, &[], value, wait, "a grow's commit");
-        let (d, ended) = agreed.inspect_err(|e| self.poison(e))?;
+        let attempt = Attempt {
+            tag,
+            next: None,
+            carried: Vec::new(),
+        };
+        let agreed = agree(ctl, attempt, &[], value, wait, "a grow's commit");
+        let (d, ended) = match agreed.inspect_err(|e| self.poison(e))? {
+            Step::Decided(d, ended) => (d, ended),
+            // Only an attempt with a next one ends so.
+            Step::Moved(_) => {
+                let e = Error::Bootstrap(format!("grow: rank {r}'s commit ended unsettled"));
+                self.poison(&e);
+                return Err(e);
+            }
+        };
         if d.members.len() < n {
             let gone: Vec<usize> = (0..n).filter(|q| !d.members.contains(q)).collect();
             let e = Error::PeerFailed {
@@ -189,7 +202,10 @@ impl Comm {
         }
         // The old port is the answerer's now (its own descriptor): a member that missed the
         // GO learns it there.
-        let answerer = ctl.try_clone().ok().map(|p| Answerer::start(p, tag, ended));
+        let answerer = ctl
+            .try_clone()
+            .ok()
+            .map(|p| Answerer::start(p, tag, *ended));
         drop(control.take());
         Ok(answerer)
     }

@@ -4,7 +4,7 @@
 //! collective teardown.
 
 use super::*;
-use crate::bootstrap::elastic::driver::{agree, bound, Decision};
+use crate::bootstrap::elastic::driver::{agree, bound, Attempt, Decision, Step};
 use crate::bootstrap::elastic::retired::Answerer;
 use crate::transport::Kept;
 
@@ -86,11 +86,25 @@ impl Comm {
             bound(self.size, t)
         );
         let mut meetings = 0;
+        let mut carried = Vec::new();
         let (comm, agreed) = loop {
             // Each attempt agrees under its own tag: an ended attempt's answers are not the
-            // next one's.
+            // next one's. A frame of the next one means the others are there already.
             let tag = agreement_tag(self.core.epoch, meetings);
-            let (d, ended) = agree(ctl, tag, &suspects, value, t, "a shrink")?;
+            let attempt = Attempt {
+                tag,
+                next: (meetings + 1 < MEETINGS)
+                    .then(|| agreement_tag(self.core.epoch, meetings + 1)),
+                carried: std::mem::take(&mut carried),
+            };
+            let (d, ended) = match agree(ctl, attempt, &suspects, value, t, "a shrink")? {
+                Step::Decided(d, ended) => (d, ended),
+                Step::Moved(frames) => {
+                    carried = frames;
+                    meetings += 1;
+                    continue;
+                }
+            };
             self.retire_for(&format!(
                 "its shrunk successor of {} rank(s)",
                 d.members.len()
@@ -101,7 +115,7 @@ impl Comm {
             let went_on = ctl
                 .try_clone()
                 .ok()
-                .map(|port| Answerer::start(port, tag, ended));
+                .map(|port| Answerer::start(port, tag, *ended));
             meetings += 1;
             match self.meet_again(d) {
                 Ok((comm, agreed)) => {

@@ -60,18 +60,44 @@ pub(crate) fn bound(n: usize, timeout: Duration) -> Duration {
     Duration::from_millis(Agreement::bound(n, ms(timeout), ms(grace(timeout))))
 }
 
+/// One attempt of a generation's agreement: its tag, the next attempt's (if there is one) and
+/// frames of this attempt read while the one before ran.
+pub(crate) struct Attempt {
+    /// The tag this attempt's messages are sealed under.
+    pub tag: u32,
+    /// The next attempt's tag: a frame of it means the group went on to it.
+    pub next: Option<u32>,
+    /// Frames (kind, body) of this attempt that came before it began.
+    pub carried: Vec<(u8, Vec<u8>)>,
+}
+
+/// How an attempt ended for this rank.
+pub(crate) enum Step {
+    /// It decided: the group meets.
+    Decided(Decision, Box<Ended>),
+    /// Others are in the next attempt already (their decision's meeting failed): this rank
+    /// joins it, with the frames of it that came.
+    Moved(Vec<(u8, Vec<u8>)>),
+}
+
 /// Agrees with the other survivors of `ctl`'s group on who goes on, this rank suspecting
-/// `suspects` and bringing `value`, each wait `timeout`; messages sealed under `tag` (one per
-/// generation and attempt); `what` names the call in errors ("a shrink"). An error names whom
-/// this rank waited on, or who left it out.
+/// `suspects` and bringing `value`, each wait `timeout`; messages sealed under the attempt's
+/// tag (one per generation and attempt); `what` names the call in errors ("a shrink"). An
+/// error names whom this rank waited on, or who left it out.
 pub(crate) fn agree(
     ctl: &Control,
-    tag: u32,
+    attempt: Attempt,
     suspects: &[usize],
     value: u64,
     timeout: Duration,
     what: &str,
-) -> Result<(Decision, Ended)> {
+) -> Result<Step> {
+    let Attempt {
+        tag,
+        next,
+        mut carried,
+    } = attempt;
+    let tags: Vec<u32> = std::iter::once(tag).chain(next).collect();
     let (n, me) = (ctl.ports.len(), ctl.rank);
     let start = Instant::now();
     let clock = || start.elapsed().as_millis().min(u64::MAX as u128) as Time;
@@ -133,12 +159,18 @@ pub(crate) fn agree(
             post(sends, &meets, clock());
         }
         // What has arrived is read before the clock is looked at.
-        let (frames, busy) = door.poll(&ctl.listener, tag, is_agreement_kind);
+        let (mut frames, busy) = door.poll(&ctl.listener, &tags, is_agreement_kind);
+        frames.splice(0..0, carried.drain(..));
         let polled = clock();
+        let mut moved = Vec::new();
         for (kind, body) in frames {
             let now = clock();
             let Some(r) = decode(&ctl.session, tag, kind, &body, n, now) else {
-                log::debug!("rank {me}: ignored a control frame that is not of this agreement");
+                if next.is_some_and(|t| decode(&ctl.session, t, kind, &body, n, now).is_some()) {
+                    moved.push((kind, body));
+                } else {
+                    log::debug!("rank {me}: ignored a control frame not of this agreement");
+                }
                 continue;
             };
             if let (Msg::Decide(d) | Msg::Go(d) | Msg::Out(d), Some(m)) = (&r.msg, r.meet) {
@@ -152,6 +184,14 @@ pub(crate) fn agree(
                 },
             );
             post(sends, &meets, now);
+        }
+        if !moved.is_empty() && a.outcome().is_none() {
+            // Only a rank whose decision's meeting failed goes on to the next attempt: this
+            // one's outcome no longer matters (a member still pledged would wait out its
+            // coordinator while the others collect without it).
+            log::info!("rank {me}: the others went on to the next attempt; so does this rank");
+            out.flush(Instant::now() + g);
+            return Ok(Step::Moved(moved));
         }
         if a.is_deciding() && !stalled {
             // The test hooks: a coordinator that stops reading, or dies, right after its
@@ -201,13 +241,13 @@ pub(crate) fn agree(
                 listener: (d.coordinator == me).then_some(own),
                 identity: identity(&ctl.session, tag),
             };
-            Ok((
+            Ok(Step::Decided(
                 decision,
-                Ended {
+                Box::new(Ended {
                     machine: a,
                     meet,
                     door,
-                },
+                }),
             ))
         }
         Outcome::LeftOut { by, members } => Err(Error::LeftOut {

@@ -91,7 +91,7 @@ fn serve_retired() {
             let mut all = RETIRED.lock().unwrap_or_else(|e| e.into_inner());
             idle |= all.is_empty();
             for r in all.iter_mut() {
-                let (frames, got) = r.door.poll(&r.ctl.listener, r.tag, is_agreement_kind);
+                let (frames, got) = r.door.poll(&r.ctl.listener, &[r.tag], is_agreement_kind);
                 busy |= got;
                 for (kind, body) in frames {
                     answer(r, kind, &body, &out);

@@ -2,7 +2,7 @@
 //! a rank that does not run keeps its port open and unread (stopped, or busy elsewhere), a dead
 //! one's port is closed (connections refused).
 
-use super::driver::{agree, bound, Decision};
+use super::driver::{agree, bound, Attempt, Decision, Step};
 use crate::bootstrap::elastic::retired::Answerer;
 use crate::bootstrap::wire::auth::KEY;
 use crate::bootstrap::wire::port::seal;
@@ -48,6 +48,15 @@ fn part(rank: usize, delay_ms: u64, suspects: &[usize]) -> Part {
 /// A rank's result, and what answers at its port since (as `Comm::shrink` leaves it).
 type Got = (usize, Result<Decision>, Option<Answerer>);
 
+/// An attempt tagged `tag`, the last of its generation.
+fn once(tag: u32) -> Attempt {
+    Attempt {
+        tag,
+        next: None,
+        carried: Vec::new(),
+    }
+}
+
 /// Runs `parts` on `ctls` (taking their ports) with timeout `t`; the value of rank r is 100 + r.
 /// A rank that decided answers at its port as an ended agreement from then on.
 fn run(ctls: &mut [Option<Control>], parts: Vec<Part>, t: Duration) -> Vec<Got> {
@@ -57,8 +66,11 @@ fn run(ctls: &mut [Option<Control>], parts: Vec<Part>, t: Duration) -> Vec<Got> 
             let c = ctls[p.rank].take().unwrap();
             std::thread::spawn(move || {
                 std::thread::sleep(p.delay);
-                match agree(&c, 5, &p.suspects, 100 + p.rank as u64, t, "a shrink") {
-                    Ok((d, ended)) => (p.rank, Ok(d), Some(Answerer::start(c, 5, ended))),
+                match agree(&c, once(5), &p.suspects, 100 + p.rank as u64, t, "a shrink") {
+                    Ok(Step::Decided(d, ended)) => {
+                        (p.rank, Ok(d), Some(Answerer::start(c, 5, *ended)))
+                    }
+                    Ok(Step::Moved(_)) => unreachable!("an attempt without a next one"),
                     Err(e) => (p.rank, Err(e), None),
                 }
             })
@@ -159,11 +171,12 @@ fn a_rank_that_asks_after_the_decision_is_told_it_was_left_out() {
     for (r, m) in members(&got) {
         assert_eq!(m, Ok(vec![0, 1]), "rank {r}");
     }
-    match agree(&two.unwrap(), 5, &[], 102, t, "a shrink") {
+    match agree(&two.unwrap(), once(5), &[], 102, t, "a shrink") {
         Err(Error::LeftOut { by, reason }) => {
             assert!(by.rank < 2 && reason.contains("[0, 1]"), "{reason}")
         }
-        other => panic!("rank 2: {:?}", other.map(|(d, _)| d.members)),
+        Err(e) => panic!("rank 2: {e}"),
+        Ok(_) => panic!("rank 2 went on"),
     }
     drop(got);
 }
@@ -241,7 +254,7 @@ fn a_frame_half_read_when_the_agreement_ends_is_answered() {
     let mut door = Door::default();
     let until = Instant::now() + Duration::from_secs(2);
     let told = loop {
-        let (frames, _) = door.poll(&two.listener, 5, is_agreement_kind);
+        let (frames, _) = door.poll(&two.listener, &[5], is_agreement_kind);
         // The collectors' INVITEs came while rank 2 was silent: the answer is what counts.
         let answer = frames
             .into_iter()

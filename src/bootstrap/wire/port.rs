@@ -149,13 +149,13 @@ enum Read {
 }
 
 impl Caller {
-    /// Reads what came; a frame whose first bytes are not of kind `kinds` and tag `tag` is a
-    /// stranger's, dropped at once.
-    fn read(&mut self, tag: u32, kinds: fn(u8) -> bool) -> (Read, bool) {
+    /// Reads what came; a frame whose first bytes are not of kind `kinds` and one of `tags` is
+    /// a stranger's, dropped at once.
+    fn read(&mut self, tags: &[u32], kinds: fn(u8) -> bool) -> (Read, bool) {
         let (got, bad) = read_some(&self.sock, &mut self.buf, LIMIT);
         let b = &self.buf;
-        let stranger =
-            (b.len() > 4 && !kinds(b[4])) || (b.len() >= 9 && b[5..9] != tag.to_le_bytes());
+        let stranger = (b.len() > 4 && !kinds(b[4]))
+            || (b.len() >= 9 && !tags.iter().any(|t| b[5..9] == t.to_le_bytes()));
         let r = match whole_frame(b, LIMIT) {
             _ if stranger => Read::Drop,
             Err(_) => Read::Drop,
@@ -181,11 +181,11 @@ pub(crate) struct Door {
 
 impl Door {
     /// The frames (kind, body) whole since the last call at `listener` (non-blocking), of a
-    /// kind `kinds` admits and tagged `tag`, and whether anything came.
+    /// kind `kinds` admits and tagged one of `tags`, and whether anything came.
     pub(crate) fn poll(
         &mut self,
         listener: &TcpListener,
-        tag: u32,
+        tags: &[u32],
         kinds: fn(u8) -> bool,
     ) -> (Vec<(u8, Vec<u8>)>, bool) {
         let mut busy = false;
@@ -212,7 +212,7 @@ impl Door {
                 buf: Vec::new(),
                 since: Instant::now(),
             };
-            match c.read(tag, kinds).0 {
+            match c.read(tags, kinds).0 {
                 Read::Frame(kind, m) => frames.push((kind, m)),
                 Read::Drop => {}
                 Read::Wait => self.callers.push(c),
@@ -220,7 +220,7 @@ impl Door {
         }
         let mut i = 0;
         while i < self.callers.len() {
-            let (r, got) = self.callers[i].read(tag, kinds);
+            let (r, got) = self.callers[i].read(tags, kinds);
             busy |= got;
             match r {
                 Read::Wait => i += 1,
