@@ -481,9 +481,9 @@ case!(
     }
 );
 // Killed while it sends GO (the test hook: after the first): one member holds the decision,
-// the other only its pledge. The holder answers GO at its old port while it tries to meet, so
-// the other learns the decision; both fail to meet the dead coordinator and agree again,
-// together (the finding: one left out, the other alone).
+// the other only its pledge. The holder fails to meet the dead coordinator and agrees again;
+// its next attempt's INVITE brings the pledged one along (before, in the VM: the holder went
+// on alone and the other was left behind, the finding).
 case!(
     a_coordinator_lost_while_it_sends_go_is_dropped_too,
     Case {
