@@ -126,13 +126,7 @@ impl Comm {
                     self.core.epoch
                 ));
                 let c = self.successor(cfg, Some(link), epoch);
-                if let Some(a) = answerer {
-                    c.core
-                        .answerers
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(a);
-                }
+                c.keep_answerer(answerer);
                 Ok(c)
             }
             Err(e) => Err(match link {

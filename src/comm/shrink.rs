@@ -119,13 +119,7 @@ impl Comm {
             meetings += 1;
             match self.meet_again(d) {
                 Ok((comm, agreed)) => {
-                    if let Some(a) = went_on {
-                        comm.core
-                            .answerers
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(a);
-                    }
+                    comm.keep_answerer(went_on);
                     break (comm, agreed);
                 }
                 Err(e) if meetings < MEETINGS => {
@@ -170,6 +164,18 @@ impl Comm {
         self.poison_with(why.clone());
         if let Some(l) = self.lock().link.as_mut() {
             l.watch_mut().retire(why);
+        }
+    }
+
+    /// Keeps `a` (the ended agreement answering at an old port) for this communicator's life.
+    pub(super) fn keep_answerer(&self, a: Option<Answerer>) {
+        if let Some(a) = a {
+            let mut all = self
+                .core
+                .answerers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            all.push(a);
         }
     }
 

@@ -115,28 +115,7 @@ pub(crate) fn agree(
     };
     let out = Outbox::new(ports, timeout.min(g.max(Duration::from_secs(1))), n - 1);
     let post = |sends: Vec<Send>, meets: &BTreeMap<usize, String>, now: Time| {
-        let mut gos = 0;
-        for s in sends {
-            // The test hook: a coordinator killed while it sends GO (one member has it).
-            gos += usize::from(matches!(s.msg, Msg::Go(_)));
-            if gos == 2 && crate::diag::test_fault("exit-while-go") {
-                out.flush(Instant::now() + Duration::from_secs(1));
-                std::process::exit(9);
-            }
-            let meet = match &s.msg {
-                Msg::Decide(d) | Msg::Go(d) | Msg::Out(d) => meets.get(&d.coordinator),
-                _ => None,
-            };
-            let (kind, frame) = encode(
-                &ctl.session,
-                tag,
-                me,
-                &s.msg,
-                meet.map_or("", String::as_str),
-                now,
-            );
-            out.send(s.to, kind, frame);
-        }
+        post_all(&out, ctl, tag, sends, meets, now)
     };
     let (mut a, first) = Agreement::start(me, n, suspects, value, clock(), ms(timeout), ms(g));
     post(first, &meets, clock());
@@ -194,16 +173,7 @@ pub(crate) fn agree(
             return Ok(Step::Moved(moved));
         }
         if a.is_deciding() && !stalled {
-            // The test hooks: a coordinator that stops reading, or dies, right after its
-            // decision went out.
-            if crate::diag::test_fault("stall-after-decide") {
-                stalled = true;
-                std::thread::sleep(3 * timeout);
-            }
-            if crate::diag::test_fault("exit-after-decide") {
-                out.flush(Instant::now() + Duration::from_secs(1));
-                std::process::exit(9);
-            }
+            stalled = after_decide_hooks(&out, timeout);
         }
         let now = clock();
         if now.saturating_sub(polled) > ms(g) {
@@ -218,10 +188,6 @@ pub(crate) fn agree(
         } else if !busy {
             std::thread::sleep(Duration::from_millis(1));
         }
-    };
-    let peer = |q: usize| Peer {
-        rank: q,
-        addr: ctl.addrs.get(q).cloned().unwrap_or_default(),
     };
     match outcome {
         Outcome::Decided(d) => {
@@ -250,17 +216,82 @@ pub(crate) fn agree(
                 }),
             ))
         }
-        Outcome::LeftOut { by, members } => Err(Error::LeftOut {
+        o => Err(failed(
+            ctl,
+            o,
+            &format!("{what}'s agreement"),
+            &was,
+            start.elapsed(),
+        )),
+    }
+}
+
+/// Seals `sends` under `tag` and hands them to `out`; a decision's frames say where its
+/// group meets (`meets`).
+fn post_all(
+    out: &Outbox,
+    ctl: &Control,
+    tag: u32,
+    sends: Vec<Send>,
+    meets: &BTreeMap<usize, String>,
+    now: Time,
+) {
+    let mut gos = 0;
+    for s in sends {
+        // The test hook: a coordinator killed while it sends GO (one member has it).
+        gos += usize::from(matches!(s.msg, Msg::Go(_)));
+        if gos == 2 && crate::diag::test_fault("exit-while-go") {
+            out.flush(Instant::now() + Duration::from_secs(1));
+            std::process::exit(9);
+        }
+        let meet = match &s.msg {
+            Msg::Decide(d) | Msg::Go(d) | Msg::Out(d) => meets.get(&d.coordinator),
+            _ => None,
+        };
+        let meet = meet.map_or("", String::as_str);
+        let (kind, frame) = encode(&ctl.session, tag, ctl.rank, &s.msg, meet, now);
+        out.send(s.to, kind, frame);
+    }
+}
+
+/// The test hooks of a coordinator whose decision went out: it stops reading (whether it
+/// did), or dies.
+fn after_decide_hooks(out: &Outbox, timeout: Duration) -> bool {
+    if crate::diag::test_fault("exit-after-decide") {
+        out.flush(Instant::now() + Duration::from_secs(1));
+        std::process::exit(9);
+    }
+    let stall = crate::diag::test_fault("stall-after-decide");
+    if stall {
+        std::thread::sleep(3 * timeout);
+    }
+    stall
+}
+
+/// The error of an agreement (`what`) that ended without a decision for this rank: who left
+/// it out, or whom it waited on last (`was`: where it stood), after `after`.
+fn failed(ctl: &Control, outcome: Outcome, what: &str, was: &str, after: Duration) -> Error {
+    let me = ctl.rank;
+    let peer = |q: usize| Peer {
+        rank: q,
+        addr: ctl.addrs.get(q).cloned().unwrap_or_default(),
+    };
+    match outcome {
+        Outcome::LeftOut { by, members } => Error::LeftOut {
             by: peer(by),
             reason: format!(
                 "rank {me}: the group went on as ranks {members:?} without this rank (rank {by} \
                  said so)"
             ),
-        }),
-        Outcome::TimedOut { waited_on } => Err(Error::Timeout {
+        },
+        Outcome::TimedOut { waited_on } => Error::Timeout {
             peer: peer(waited_on),
-            what: format!("{what}'s agreement, seen from rank {me} (it {was} last)"),
-            after: start.elapsed(),
-        }),
+            what: format!("{what}, seen from rank {me} (it {was} last)"),
+            after,
+        },
+        Outcome::Decided(d) => Error::Bootstrap(format!(
+            "rank {me}: {what} decided {:?} (not a failure)",
+            d.members
+        )),
     }
 }
