@@ -280,12 +280,15 @@ fn relayed_rings_give_the_same_bits() {
         for (slots, chunk) in [(1, 8), (2, 8), (2, 64), (3, 64), (4, 4096)] {
             for &elems in &LENGTHS {
                 // 0: no relays; 1: every rank relays; 2: the odd ranks send in place (as from
-                // a buffer only they registered) in the same order of segments.
+                // a buffer only they registered) in the same order of segments; 3: as 2, and
+                // the all-gather lands in the odd ranks' buffers; 4: every rank in place and
+                // landing.
                 let run = |relay: u8| {
                     let links = mesh(n, slots, chunk, None);
                     let mut links = if relay > 0 { relaying(links) } else { links };
-                    for l in links.iter_mut().skip(1).step_by(2) {
-                        l.in_place = relay == 2;
+                    for (r, l) in links.iter_mut().enumerate() {
+                        l.in_place = (relay == 2 || relay == 3) && r % 2 == 1 || relay == 4;
+                        l.landing = relay >= 3;
                     }
                     on_every_rank(links, move |l: &mut MemLink| {
                         let r = crate::transport::Link::rank(l);
@@ -303,10 +306,12 @@ fn relayed_rings_give_the_same_bits() {
                         (a, rs, ag, l.ledger)
                     })
                 };
-                let (plain, relayed, some) = (run(0), run(1), run(2));
-                for (r, (p, q)) in plain.iter().zip(&some).enumerate() {
-                    let what = format!("{n} ranks, {slots} x {chunk} B, x{elems}, odd in place");
-                    assert_eq!((&p.0, &p.1, &p.2), (&q.0, &q.1, &q.2), "{what}: rank {r}");
+                let (plain, relayed) = (run(0), run(1));
+                for (v, how) in [(2, "odd in place"), (3, "odd landing"), (4, "all landing")] {
+                    for (r, (p, q)) in plain.iter().zip(&run(v)).enumerate() {
+                        let what = format!("{n} ranks, {slots} x {chunk} B, x{elems}, {how}");
+                        assert_eq!((&p.0, &p.1, &p.2), (&q.0, &q.1, &q.2), "{what}: rank {r}");
+                    }
                 }
                 let what = format!("{n} ranks, {slots} x {chunk} B, x{elems}");
                 for (r, (p, q)) in plain.iter().zip(&relayed).enumerate() {
@@ -333,6 +338,41 @@ fn ring_ledger(n: u64, c: u64, relay: bool) -> (u64, u64, u64, u64) {
     let wire = 2 * (n - 1) * c;
     let copied_in = if relay { c } else { wire };
     (copied_in, (n - 1) * c, (n - 1) * c, wire)
+}
+
+/// A ring all_reduce whose every rank sends in place and lands the all-gather half in its
+/// peers' buffers copies nothing: it reduces (n - 1) chunks and puts 2 (n - 1) on the wire,
+/// 0.5 passes per wire byte, the floor for a CPU reduction.
+#[test]
+fn a_landing_ring_makes_half_a_pass_per_wire_byte() {
+    use super::mem_link::relaying;
+    for n in [2usize, 4, 6, 8] {
+        for relay in [false, true] {
+            let elems = n * 3 * 1024;
+            let links = mesh(n, 3, 4096, None);
+            let mut links = if relay { relaying(links) } else { links };
+            for l in &mut links {
+                (l.in_place, l.landing) = (true, true);
+            }
+            let got = on_every_rank(links, move |l: &mut MemLink| {
+                let r = crate::transport::Link::rank(l);
+                let mut a = bytes((0..elems).map(|i| value(r, i, false)));
+                ring::all_reduce(l, AllReduce::Sum, DType::f32, &mut a).unwrap();
+                (a, l.ledger)
+            });
+            let (n64, c) = (n as u64, (elems / n * 4) as u64);
+            let want: Vec<f32> = (0..elems)
+                .map(|i| (0..n).map(|q| value(q, i, false)).sum())
+                .collect();
+            for (r, (a, l)) in got.iter().enumerate() {
+                assert_eq!(f32s(a), want, "{n} ranks, relay {relay}: rank {r}'s sums");
+                let have = (l.copied_in, l.reduced, l.copied_out, l.wire);
+                let wire = 2 * (n64 - 1) * c;
+                assert_eq!(have, (0, (n64 - 1) * c, 0, wire), "{n} ranks: rank {r}");
+                assert!((l.passes() - 0.5).abs() < 1e-12, "{n}: {}", l.passes());
+            }
+        }
+    }
 }
 
 #[test]

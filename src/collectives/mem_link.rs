@@ -15,7 +15,7 @@ pub(crate) struct MemLink {
     me: usize,
     n: usize,
     /// Queue of chunks from rank a to rank b at `a * n + b`.
-    queues: Arc<Vec<Mutex<VecDeque<Vec<u8>>>>>,
+    queues: Arc<Vec<Mutex<VecDeque<Chunk>>>>,
     slots: usize,
     chunk: usize,
     props: crate::transport::Props,
@@ -26,6 +26,23 @@ pub(crate) struct MemLink {
     pub(crate) ledger: crate::transport::Ledger,
     /// Whether its posts count as sent in place (as from a buffer registered on this rank alone).
     pub(crate) in_place: bool,
+    /// Whether chunks land in the receiver's buffer ([`Link::lands`]), where it offers a window
+    /// (as an RDMA rank does for a buffer it registered: here, where `in_place`).
+    pub(crate) landing: bool,
+    /// The start of the window this rank offered in the operation under way, if it offered one.
+    offered: Option<usize>,
+    /// Where the relay under way lands its chunk ([`Link::try_relay_at`]).
+    relay_at: Option<usize>,
+    /// Whether the peer this rank accepted an offer from gave a window.
+    window: bool,
+}
+
+/// What a queue holds: a chunk's bytes, an offer (whether it gives a window), or bytes that
+/// land at `at` in the receiver's window.
+enum Chunk {
+    Data(Vec<u8>),
+    Offer(bool),
+    Landed(usize, Vec<u8>),
 }
 
 /// How long a wait without progress lasts before it fails (a deadlock in an algorithm).
@@ -49,6 +66,10 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
             used: Default::default(),
             ledger: Default::default(),
             in_place: false,
+            landing: false,
+            offered: None,
+            relay_at: None,
+            window: false,
         })
         .collect()
 }
@@ -84,7 +105,7 @@ pub(crate) fn on_every_rank<T: Send + 'static>(
 }
 
 impl MemLink {
-    fn queue(&self, from: usize, to: usize) -> &Mutex<VecDeque<Vec<u8>>> {
+    fn queue(&self, from: usize, to: usize) -> &Mutex<VecDeque<Chunk>> {
         &self.queues[from * self.n + to]
     }
 }
@@ -109,9 +130,11 @@ impl Link for MemLink {
             if q.len() >= self.slots {
                 return Ok(false);
             }
-            q.push_back(data.to_vec());
+            q.push_back(Chunk::Data(data.to_vec()));
         }
-        self.ledger.count(Pass::CopyIn, data.len());
+        if !self.in_place {
+            self.ledger.count(Pass::CopyIn, data.len());
+        }
         self.ledger.count(Pass::Wire, data.len());
         self.idle_since = Instant::now();
         Ok(true)
@@ -131,13 +154,98 @@ impl Link for MemLink {
         let Some(c) = self.queue(from, self.me).lock().unwrap().pop_front() else {
             return Ok(false);
         };
+        let Chunk::Data(c) = c else {
+            panic!("rank {}: a relay took an offer or a landed chunk", self.me)
+        };
         let mut out = vec![0u8; len];
         f(&c, &mut out)?;
+        let out = match self.relay_at.take() {
+            Some(at) => Chunk::Landed(at, out),
+            None => Chunk::Data(out),
+        };
         self.queue(self.me, to).lock().unwrap().push_back(out);
         self.ledger.count(Pass::Wire, len);
         self.used.extend([from, to]);
         self.idle_since = Instant::now();
         Ok(true)
+    }
+    fn lands(&self, _peer: usize) -> bool {
+        self.landing
+    }
+    fn try_offer(&mut self, peer: usize, dst: &[u8]) -> Result<bool> {
+        let mut q = self.queue(self.me, peer).lock().unwrap();
+        if q.len() >= self.slots {
+            return Ok(false);
+        }
+        q.push_back(Chunk::Offer(self.in_place));
+        drop(q);
+        self.offered = self.in_place.then_some(dst.as_ptr() as usize);
+        Ok(true)
+    }
+    fn try_accept(&mut self, peer: usize) -> Result<bool> {
+        let mut q = self.queue(peer, self.me).lock().unwrap();
+        match q.pop_front() {
+            Some(Chunk::Offer(w)) => {
+                drop(q);
+                self.window = w;
+                Ok(true)
+            }
+            Some(_) => panic!("rank {}: an accept found no offer first", self.me),
+            None => Ok(false),
+        }
+    }
+    fn try_post_at(&mut self, peer: usize, data: &[u8], at: usize) -> Result<bool> {
+        if !self.window {
+            return self.try_post(peer, data);
+        }
+        let mut q = self.queue(self.me, peer).lock().unwrap();
+        if q.len() >= self.slots {
+            return Ok(false);
+        }
+        q.push_back(Chunk::Landed(at, data.to_vec()));
+        drop(q);
+        if !self.in_place {
+            self.ledger.count(Pass::CopyIn, data.len());
+        }
+        self.ledger.count(Pass::Wire, data.len());
+        Ok(true)
+    }
+    fn try_relay_at(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        at: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        self.relay_at = self.window.then_some(at);
+        let moved = self.try_relay(from, to, len, f);
+        self.relay_at = None;
+        moved
+    }
+    fn try_take_landed(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
+        let Some(base) = self.offered else {
+            return self.try_take_into(peer, dst);
+        };
+        let chunk = self.queue(peer, self.me).lock().unwrap().pop_front();
+        match chunk {
+            Some(Chunk::Landed(at, c)) => {
+                // The writer's offset is the receiver's: the same range of the same layout.
+                assert_eq!(
+                    at,
+                    dst.as_ptr() as usize - base,
+                    "rank {}: landed off place",
+                    self.me
+                );
+                assert_eq!(c.len(), dst.len());
+                // What the NIC would have written: no pass of this rank's.
+                dst.copy_from_slice(&c);
+                self.idle_since = Instant::now();
+                Ok(true)
+            }
+            Some(_) => panic!("rank {}: a landed take found another chunk", self.me),
+            None => Ok(false),
+        }
     }
     fn sends_in_place(&self, _data: &[u8]) -> bool {
         !self.props.relays || self.in_place
@@ -150,10 +258,11 @@ impl Link for MemLink {
         self.used.insert(peer);
         let chunk = self.queue(peer, self.me).lock().unwrap().pop_front();
         match chunk {
-            Some(c) => {
+            Some(Chunk::Data(c)) => {
                 self.idle_since = Instant::now();
                 f(&c).map(|_| true)
             }
+            Some(_) => panic!("rank {}: a take found an offer or a landed chunk", self.me),
             None => Ok(false),
         }
     }

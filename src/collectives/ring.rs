@@ -156,20 +156,43 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
         (off + a, b - a)
     };
     let total = plan.steps * nseg;
+    // An all_reduce's all-gather half lands straight in the receiver's buffer where the link
+    // can: each rank offers its left a window onto its buffer (first, before any other chunk
+    // that way) and takes its right's offer before its first all-gather send. Units of the
+    // steps from `reduce_steps` on are the all-gather's.
+    let lands = plan.reduce_steps > 0 && plan.steps > plan.reduce_steps;
+    let offer = lands && link.lands(left);
+    let accept = lands && link.lands(right);
+    let (mut offered, mut accepted) = (!offer, !accept);
+    let gathers = |s: usize| s >= plan.reduce_steps;
     let (mut sent, mut recvd) = (0usize, 0usize);
     let one_post = link.props().takes_return_credits;
     link.begin();
-    while recvd < total || sent < total {
+    while recvd < total || sent < total || !offered {
         let mut did = false;
+        if !offered && link.try_offer(left, buf)? {
+            offered = true;
+            did = true;
+        }
+        // (With two ranks the right is the left: its offer comes first that way too.)
+        if !accepted && link.try_accept(right)? {
+            accepted = true;
+            did = true;
+        }
         // Posts from the buffer: a relay's dependent sends go with their receive instead.
-        while sent < total && sent < recvd + ahead {
+        while offered && sent < total && sent < recvd + ahead {
             let (s, j) = units.at(sent);
             // A later step's send waits for its segment's arrival, one group width back.
             if s > 0 && (relay || sent >= recvd + units.width_of(sent)) {
                 break;
             }
             let (off, len) = seg_range(chunk_at(s), j);
-            if !link.try_post(right, &buf[off..off + len])? {
+            let posted = if accept && gathers(s) {
+                accepted && link.try_post_at(right, &buf[off..off + len], off)?
+            } else {
+                link.try_post(right, &buf[off..off + len])?
+            };
+            if !posted {
                 break;
             }
             sent += 1;
@@ -178,15 +201,25 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
                 break;
             }
         }
-        if recvd < total {
+        if recvd < total && (accepted || left != right) {
             let (s, j) = units.at(recvd);
             let (off, len) = seg_range(chunk_at(s + 1), j);
             let dst = &mut buf[off..off + len];
             let reduce = if s < plan.reduce_steps { plan.op } else { None };
             if relay && s + 1 < plan.steps {
-                // Its send is the next one once the posts before it went.
-                if sent == recvd + units.width_of(recvd) && relay_one(link, plan, dst, s, reduce)? {
+                // Its send is the next one once the posts before it went; an all-gather send
+                // lands in the right's window.
+                let at = (accept && gathers(s + 1)).then_some(off);
+                if sent == recvd + units.width_of(recvd)
+                    && (at.is_none() || accepted)
+                    && relay_one(link, plan, dst, s, reduce, at)?
+                {
                     sent += 1;
+                    recvd += 1;
+                    did = true;
+                }
+            } else if offer && gathers(s) {
+                if link.try_take_landed(left, dst)? {
                     recvd += 1;
                     did = true;
                 }
@@ -196,7 +229,11 @@ fn run(link: &mut dyn Link, buf: &mut [u8], plan: &Plan<'_>) -> Result<()> {
             }
         }
         if !did {
-            let waiting = if recvd < total { left } else { right };
+            let waiting = if recvd < total || !offered {
+                left
+            } else {
+                right
+            };
             wait_on(link, waiting)?;
         }
     }
@@ -212,6 +249,7 @@ fn relay_one(
     dst: &mut [u8],
     s: usize,
     reduce: Option<(AllReduce, DType)>,
+    at: Option<usize>,
 ) -> Result<bool> {
     let n = link.size();
     let (left, right) = ((link.rank() + n - 1) % n, (link.rank() + 1) % n);
@@ -221,7 +259,7 @@ fn relay_one(
         crate::transport::settle(link, dst)?;
     }
     let len = dst.len();
-    let moved = link.try_relay(left, right, len, &mut |src: &[u8], out: &mut [u8]| {
+    let f = &mut |src: &[u8], out: &mut [u8]| {
         if src.len() != len {
             return Err(crate::Error::length_mismatch(src.len(), len, left));
         }
@@ -230,7 +268,11 @@ fn relay_one(
             None => crate::reduce::copy_twice(out, dst, src),
         }
         Ok(())
-    })?;
+    };
+    let moved = match at {
+        Some(at) => link.try_relay_at(left, right, len, at, f)?,
+        None => link.try_relay(left, right, len, f)?,
+    };
     if moved {
         link.count(
             if reduce.is_some() {

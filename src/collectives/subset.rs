@@ -76,6 +76,32 @@ impl Link for Subset<'_> {
     fn sends_in_place(&self, data: &[u8]) -> bool {
         self.link.sends_in_place(data)
     }
+    fn lands(&self, peer: usize) -> bool {
+        self.link.lands(self.ranks[peer])
+    }
+    fn try_offer(&mut self, peer: usize, dst: &[u8]) -> Result<bool> {
+        self.link.try_offer(self.ranks[peer], dst)
+    }
+    fn try_accept(&mut self, peer: usize) -> Result<bool> {
+        self.link.try_accept(self.ranks[peer])
+    }
+    fn try_post_at(&mut self, peer: usize, data: &[u8], at: usize) -> Result<bool> {
+        self.link.try_post_at(self.ranks[peer], data, at)
+    }
+    fn try_relay_at(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        at: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        self.link
+            .try_relay_at(self.ranks[from], self.ranks[to], len, at, f)
+    }
+    fn try_take_landed(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
+        self.link.try_take_landed(self.ranks[peer], dst)
+    }
     fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
         self.link.ledger_mut()
     }

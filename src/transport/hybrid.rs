@@ -261,6 +261,46 @@ impl Link for HybridTransport {
         }
     }
 
+    fn lands(&self, p: usize) -> bool {
+        !self.local(p) && self.net.lands(p)
+    }
+
+    fn try_offer(&mut self, p: usize, dst: &[u8]) -> Result<bool> {
+        self.net.try_offer(p, dst)
+    }
+
+    fn try_accept(&mut self, p: usize) -> Result<bool> {
+        self.net.try_accept(p)
+    }
+
+    fn try_post_at(&mut self, p: usize, data: &[u8], at: usize) -> Result<bool> {
+        if self.local(p) {
+            return self.try_post(p, data);
+        }
+        self.net.try_post_at(p, data, at)
+    }
+
+    fn try_relay_at(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        at: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        if self.local(from) || self.local(to) {
+            return self.try_relay(from, to, len, f);
+        }
+        self.net.try_relay_at(from, to, len, at, f)
+    }
+
+    fn try_take_landed(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        if self.local(p) {
+            return self.try_take_into(p, dst);
+        }
+        self.net.try_take_landed(p, dst)
+    }
+
     fn sends_in_place(&self, data: &[u8]) -> bool {
         // Posts to the rings copy; the network's may send from a registered buffer.
         self.net.sends_in_place(data)

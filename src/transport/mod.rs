@@ -161,6 +161,59 @@ pub trait Link {
         let _ = data;
         !self.props().relays
     }
+    /// Whether chunks between this rank and `peer` can land straight in the receiver's memory
+    /// (an RDMA write into a window the receiver offered); both ends of a pair agree. Where it
+    /// does, an operation that lands uses [`Link::try_offer`], [`Link::try_accept`],
+    /// [`Link::try_post_at`] (or [`Link::try_relay_at`]) and [`Link::try_take_landed`].
+    fn lands(&self, peer: usize) -> bool {
+        let _ = peer;
+        false
+    }
+    /// Posts to `peer` this rank's window onto `dst` for this operation (where `dst` lies in
+    /// memory the link may let a peer write, else word that there is none): `peer`'s
+    /// [`Link::try_post_at`] then write into `dst` directly. A window is offered only onto a
+    /// buffer that [`Link::sends_in_place`] (which is never relayed into). Posted before any
+    /// other chunk to `peer` in the operation. `Ok(false)` while no slot is free. Only where
+    /// [`Link::lands`].
+    fn try_offer(&mut self, peer: usize, dst: &[u8]) -> Result<bool> {
+        let _ = (peer, dst);
+        Err(crate::Error::InvalidArgument(
+            "this link lands nothing (Link::lands)".into(),
+        ))
+    }
+    /// Takes `peer`'s offer ([`Link::try_offer`]), before any other chunk from `peer` in the
+    /// operation. `Ok(false)` until it came. Only where [`Link::lands`].
+    fn try_accept(&mut self, peer: usize) -> Result<bool> {
+        let _ = peer;
+        Err(crate::Error::InvalidArgument(
+            "this link lands nothing (Link::lands)".into(),
+        ))
+    }
+    /// [`Link::try_post`], landing `data` at byte `at` of `peer`'s window where it offered one
+    /// (the receiver then takes it with [`Link::try_take_landed`]).
+    fn try_post_at(&mut self, peer: usize, data: &[u8], at: usize) -> Result<bool> {
+        let _ = at;
+        self.try_post(peer, data)
+    }
+    /// [`Link::try_relay`], landing the posted chunk at byte `at` of `to`'s window where it
+    /// offered one.
+    fn try_relay_at(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        at: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        let _ = at;
+        self.try_relay(from, to, len, f)
+    }
+    /// [`Link::try_take_into`] of a chunk `peer` posted with [`Link::try_post_at`]: where this
+    /// rank offered `peer` a window, the chunk was written into `dst` already and only its
+    /// arrival is taken (no copy).
+    fn try_take_landed(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
+        self.try_take_into(peer, dst)
+    }
     /// This link's pass ledger, where it keeps one.
     fn ledger_mut(&mut self) -> Option<&mut Ledger> {
         None

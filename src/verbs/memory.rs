@@ -235,22 +235,35 @@ fn registration_failed(len: usize, e: RegisterMemoryRegionError) -> Error {
     }
 }
 
-/// A caller's memory registered for as long as this value lives: the source of zero-copy sends.
-/// Unlike [`RegisteredBuffer`] it does not own the memory.
+/// A caller's memory registered for as long as this value lives: the source of zero-copy sends,
+/// and where `writable`, a window peers' RDMA writes may land in. Unlike [`RegisteredBuffer`]
+/// it does not own the memory.
 pub struct LentRegion {
     mr: Arc<MemoryRegion>,
     start: usize,
     end: usize,
+    writable: bool,
 }
 
 impl LentRegion {
-    /// Registers `len` bytes at `addr` on `pd`.
+    /// Registers `len` bytes at `addr` on `pd`, for peers' writes too where `writable`.
     ///
     /// # Safety
     /// The memory must stay allocated until this value is dropped, and no work request may use
-    /// [`LentRegion::lkey`] after that.
-    pub unsafe fn new(pd: &Arc<ProtectionDomain>, addr: usize, len: usize) -> Result<Self> {
-        let access = AccessFlags::LocalWrite;
+    /// [`LentRegion::lkey`] after that. Where `writable`, a peer holding [`LentRegion::rkey`]
+    /// may write it at any time until then: the caller hands the key out only for ranges it
+    /// lets peers write.
+    pub unsafe fn new(
+        pd: &Arc<ProtectionDomain>,
+        addr: usize,
+        len: usize,
+        writable: bool,
+    ) -> Result<Self> {
+        let access = if writable {
+            AccessFlags::LocalWrite | AccessFlags::RemoteWrite
+        } else {
+            AccessFlags::LocalWrite
+        };
         // SAFETY: the caller keeps addr..addr+len allocated while the MR lives (contract above).
         let mr =
             unsafe { pd.reg_mr(addr, len, access) }.map_err(|e| registration_failed(len, e))?;
@@ -258,7 +271,13 @@ impl LentRegion {
             mr,
             start: addr,
             end: addr + len,
+            writable,
         })
+    }
+
+    /// The remote key peers write with, where registered for their writes.
+    pub fn rkey(&self) -> Option<u32> {
+        self.writable.then(|| self.mr.rkey())
     }
 
     /// Local key.

@@ -20,17 +20,20 @@ impl RdmaTransport {
             addr: buf.addr() + off as u64,
             len: len as u32,
         };
-        self.post_from(p, kind, &[sge], remote_off, imm, false)
+        self.post_from(p, kind, &[sge], remote_off, None, imm, false)
     }
 
-    /// [`RdmaTransport::post`] from the ranges `local`: our buffer, then possibly the lent one.
+    /// [`RdmaTransport::post`] from the ranges `local`: our buffer, then possibly the lent one;
+    /// to `remote_off` in `p`'s block, or to `window` (a range of `p`'s memory it offered).
     /// A `quiet` data write (inline from the staging slot) may go unsignaled.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn post_from(
         &mut self,
         p: usize,
         kind: u64,
         local: &[Sge],
         remote_off: usize,
+        window: Option<Remote>,
         imm: Option<u32>,
         quiet: bool,
     ) -> Result<()> {
@@ -44,17 +47,17 @@ impl RdmaTransport {
         let fire_and_forget = kind == KIND_CREDIT || (kind == KIND_DATA && quiet);
         let signaled = !fire_and_forget || st.unsignaled >= QUIET_MAX;
         let id = wr_id(kind, p, st.wr_posted);
-        let remote_addr = st.remote.addr + remote_off as u64;
+        let to = window.unwrap_or(Remote {
+            addr: st.remote.addr + remote_off as u64,
+            rkey: st.remote.rkey,
+        });
         // SAFETY: the local range lies in our registered buffer for `p` (off/len from the
         // layout), which outlives its QP (field order), or in the lent buffer, which stays
         // registered and unwritten until the write completes (settle, finish) or the operation failed and
         // release() deregistered it (the WR then fails; the memory is never touched after); the
         // data slot is not reused before this write completes (send_done); credit words are sent
         // inline (copied at post time).
-        let r = unsafe {
-            st.qp
-                .post_write(id, local, st.remote.rkey, remote_addr, imm, signaled)
-        };
+        let r = unsafe { st.qp.post_write(id, local, to.rkey, to.addr, imm, signaled) };
         if let Err(e) = r {
             return Err(self.fail(p, e.to_string()));
         }
@@ -146,19 +149,30 @@ pub(super) enum Source<'a> {
     Fill(usize, &'a mut dyn FnMut(&mut [u8]) -> Result<()>),
 }
 
+/// Where a post's bytes go on the peer.
+#[derive(Clone, Copy)]
+pub(super) enum Target {
+    /// Its receive slot (or mailbox, if small): payload, counted in the ledger.
+    Slot,
+    /// As [`Target::Slot`], but no payload of the caller's (an offer): not counted.
+    Control,
+    /// Straight into the peer's memory, in the window it offered, announced by the immediate.
+    Window(Remote),
+}
+
 /// A chunk that has landed and is not taken yet: where its bytes lie in the peer's buffer.
 pub(super) struct Arrival {
     /// Offset of its bytes after the descriptor, and their length.
     off: usize,
-    len: usize,
+    pub(super) len: usize,
     /// The credits a mailbox trailer carried.
-    mailbox_consumed: Option<u64>,
+    pub(super) mailbox_consumed: Option<u64>,
 }
 
 impl RdmaTransport {
     /// Whether a chunk of `len` bytes may be posted to `p` now: connected, within its credits
     /// and with room in the send queue.
-    fn post_room(&mut self, p: usize, len: usize) -> Result<bool> {
+    pub(super) fn post_room(&mut self, p: usize, len: usize) -> Result<bool> {
         if len > self.layout.slot {
             return Err(Error::InvalidArgument(format!(
                 "a chunk of {len} bytes posted to rank {p}, past the {}-byte slot (max_chunk)",
@@ -204,8 +218,8 @@ impl RdmaTransport {
             .find(|r| r.contains(data))
     }
 
-    /// Posts `src` to `p`, whose room [`RdmaTransport::post_room`] found.
-    fn post_chunk(&mut self, p: usize, src: Source<'_>) -> Result<()> {
+    /// Posts `src` to `p` at `target`, whose room [`RdmaTransport::post_room`] found.
+    pub(super) fn post_chunk(&mut self, p: usize, src: Source<'_>, target: Target) -> Result<()> {
         let slots = self.layout.slots as u64;
         let st = self.state(p);
         let (k, consumed) = (st.sent, st.consumed);
@@ -215,6 +229,16 @@ impl RdmaTransport {
         } else {
             0
         };
+        let window = match target {
+            Target::Window(w) => Some(w),
+            _ => None,
+        };
+        if window.is_some() && head > 0 {
+            // The descriptor rides in the offer that came first the other way.
+            return Err(Error::InvalidArgument(format!(
+                "a landing post to rank {p} before any other chunk of the operation"
+            )));
+        }
         let desc = self.numbering.desc_to(p);
         let data_len = match &src {
             Source::Data(d) => d.len(),
@@ -224,7 +248,8 @@ impl RdmaTransport {
             Source::Data(d) => self.region_of(d).map(|r| r.lkey()),
             Source::Fill(..) => None,
         };
-        let to_mailbox = region.is_none() && head + data_len <= mailbox::MAX_PAYLOAD;
+        let to_mailbox =
+            window.is_none() && region.is_none() && head + data_len <= mailbox::MAX_PAYLOAD;
         let off = self.layout.send_off(k);
         let buf = &mut self.peers[p].as_mut().expect("connected").buf;
         let staging_key = buf.lkey_at(off, 0);
@@ -302,7 +327,7 @@ impl RdmaTransport {
         let quiet = zero_copy.is_none() && len <= MAX_INLINE as usize;
         let wr = self.state(p).wr_posted;
         self.state(p).chunk_wr[(k % slots) as usize] = if quiet { FREE_AT_POST } else { wr };
-        self.post_from(p, KIND_DATA, &sges, remote_off, imm, quiet)?;
+        self.post_from(p, KIND_DATA, &sges, remote_off, window, imm, quiet)?;
         if let Some(data) = zero_copy {
             if self.zc.len() == self.zc.capacity() {
                 self.retire_zero_copy(); // often room enough again: no reallocation
@@ -310,8 +335,10 @@ impl RdmaTransport {
             let a = data.as_ptr() as usize;
             self.zc.push_back((p, k, a, a + data.len()));
         }
-        self.ledger.count(Pass::CopyIn, copied);
-        self.ledger.count(Pass::Wire, data_len);
+        if !matches!(target, Target::Control) {
+            self.ledger.count(Pass::CopyIn, copied);
+            self.ledger.count(Pass::Wire, data_len);
+        }
         self.numbering.posted_to(p);
         let st = self.state(p);
         st.returned = consumed;
@@ -323,7 +350,7 @@ impl RdmaTransport {
 
     /// The next chunk from `p`, if it has landed (its descriptor checked, its length within
     /// what `p` may write).
-    fn arrival(&mut self, p: usize) -> Result<Option<Arrival>> {
+    pub(super) fn arrival(&mut self, p: usize) -> Result<Option<Arrival>> {
         if self.peers[p].is_none() {
             self.reach(p)?;
             if self.peers[p].is_none() {
@@ -394,7 +421,7 @@ impl RdmaTransport {
     /// # Safety
     /// `a` must be `p`'s next chunk, found by [`RdmaTransport::arrival`] and not yet given back
     /// by [`RdmaTransport::took`], and the slice must not outlive that.
-    unsafe fn arrived_bytes(&self, p: usize, a: &Arrival) -> *const [u8] {
+    pub(super) unsafe fn arrived_bytes(&self, p: usize, a: &Arrival) -> *const [u8] {
         // SAFETY: an arrived chunk, its slot not yet given back (the caller's contract): the
         // writer may not write it again until we return its credit.
         let s = unsafe {
@@ -408,7 +435,7 @@ impl RdmaTransport {
     }
 
     /// Frees the slot of `p`'s chunk `a`, returning credits when due.
-    fn took(&mut self, p: usize, a: Arrival) -> Result<()> {
+    pub(super) fn took(&mut self, p: usize, a: Arrival) -> Result<()> {
         let slots = self.layout.slots as u64;
         self.numbering.took_from(p);
         let st = self.state(p);
@@ -463,7 +490,7 @@ impl Link for RdmaTransport {
         if !self.post_room(p, data.len())? {
             return Ok(false);
         }
-        self.post_chunk(p, Source::Data(data))?;
+        self.post_chunk(p, Source::Data(data), Target::Slot)?;
         // Look at the completion queue (a user-space read) after every post, so a caller that
         // keeps posting still sees, and takes, what arrived meanwhile (on rxe a post takes long
         // enough for the peer's chunks to land); idle turns poll in `progress`.
@@ -487,14 +514,50 @@ impl Link for RdmaTransport {
         // SAFETY: `a` is `from`'s next chunk, given back only by `took` below, after the last
         // use of `src` (the fill runs inside post_chunk, which frees no receive slot).
         let src = unsafe { &*self.arrived_bytes(from, &a) };
-        self.post_chunk(to, Source::Fill(len, &mut |out| f(src, out)))?;
+        self.post_chunk(to, Source::Fill(len, &mut |out| f(src, out)), Target::Slot)?;
         self.took(from, a)?;
         self.poll()?;
         Ok(true)
     }
 
     fn sends_in_place(&self, data: &[u8]) -> bool {
-        self.region_of(data).is_some()
+        // Whatever its size (a small post still goes inline): a buffer this rank may offer as
+        // a window must not be relayed into, or a landed chunk would be read from a slot.
+        self.lent
+            .iter()
+            .chain(self.registered.iter().map(|(_, r)| r))
+            .any(|r| r.contains(data))
+    }
+
+    fn lands(&self, _peer: usize) -> bool {
+        true
+    }
+
+    fn try_offer(&mut self, p: usize, dst: &[u8]) -> Result<bool> {
+        self.offer(p, dst)
+    }
+
+    fn try_accept(&mut self, p: usize) -> Result<bool> {
+        self.accept(p)
+    }
+
+    fn try_post_at(&mut self, p: usize, data: &[u8], at: usize) -> Result<bool> {
+        self.post_at(p, data, at)
+    }
+
+    fn try_relay_at(
+        &mut self,
+        from: usize,
+        to: usize,
+        len: usize,
+        at: usize,
+        f: &mut crate::transport::Relay<'_>,
+    ) -> Result<bool> {
+        self.relay_at(from, to, len, at, f)
+    }
+
+    fn try_take_landed(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {
+        self.take_landed(p, dst)
     }
 
     fn ledger_mut(&mut self) -> Option<&mut crate::transport::Ledger> {
@@ -525,7 +588,9 @@ impl Link for RdmaTransport {
     }
 
     fn finish(&mut self) -> Result<()> {
-        self.finish_sends()
+        self.finish_sends()?;
+        self.landing.finished = true;
+        Ok(())
     }
 
     fn progress(&mut self, waiting_on: usize) -> Result<()> {
@@ -559,6 +624,7 @@ impl Link for RdmaTransport {
 
     fn start(&mut self, op: &OpDesc, scope: Partners) {
         self.numbering.start(op, scope);
+        self.landing.start();
         self.watch.waiting_on(None);
     }
 }
@@ -582,6 +648,7 @@ impl Lending for RdmaTransport {
     }
 
     fn release(&mut self) {
+        self.close_windows();
         self.release_sources()
     }
 }

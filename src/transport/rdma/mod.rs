@@ -38,6 +38,7 @@
 mod completions;
 mod connect;
 mod keep;
+mod landing;
 mod layout;
 mod link;
 mod protocol;
@@ -203,6 +204,8 @@ pub struct RdmaTransport {
     props: Props,
     /// What its posts and takes did to the bytes.
     ledger: Ledger,
+    /// The operation's windows ([`landing`]).
+    landing: landing::Landing,
 }
 
 impl RdmaTransport {

@@ -168,6 +168,7 @@ impl RdmaTransport {
             numbering: Numbering::new(cfg.rank, cfg.world_size),
             props,
             ledger: Ledger::default(),
+            landing: Default::default(),
         };
         if cfg.connect == Connect::Eager {
             t.connect_all()?;

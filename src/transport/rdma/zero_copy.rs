@@ -11,15 +11,19 @@ impl RdmaTransport {
             .retain(|&(p, k, ..)| peers[p].as_ref().is_some_and(|s| s.send_done <= k));
     }
 
-    /// Registers `buf` as a source of zero-copy sends (a lending or a registration).
-    pub(super) fn register_source(&mut self, buf: &[u8]) -> Result<LentRegion> {
+    /// Registers `buf` as a source of zero-copy sends (a lending or a registration), and where
+    /// `writable` as a window the operations inside a registration may offer peers.
+    pub(super) fn register_source(&mut self, buf: &[u8], writable: bool) -> Result<LentRegion> {
         let t0 = Instant::now();
-        // SAFETY: the device only reads this memory (sends from it) and the registration pins
-        // its pages while it lives, so a buffer freed too early gets stale bytes sent, never
-        // freed memory touched. Its key is used only while it lives: a lending ends in
-        // release(), a registration in unregister(), both between operations, after finish()
-        // completed their writes (after a failure, a WR still using it fails locally).
-        let r = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len()) };
+        // SAFETY: the device reads this memory (sends from it), and peers write it only where
+        // `writable`: a registration's, whose caller keeps it allocated and in place until
+        // unregister() (`Lending::register`), and whose key goes out only in an operation's
+        // offer for the operation's own buffer (landing.rs); the registration pins its pages
+        // while it lives, so a lent buffer freed too early gets stale bytes sent, never freed
+        // memory touched. Its keys are used only while it lives: a lending ends in release(),
+        // a registration in unregister(), both between operations, after finish() completed
+        // their writes (after a failure, a WR still using it fails).
+        let r = unsafe { LentRegion::new(&self._pd, buf.as_ptr() as usize, buf.len(), writable) };
         self.ledger.registrations += 1;
         self.ledger.registration_ns += t0.elapsed().as_nanos() as u64;
         r
@@ -37,7 +41,7 @@ impl RdmaTransport {
             return;
         }
         // A failed registration (e.g. the locked-memory limit) only means copying.
-        self.lent = self.register_source(buf).ok();
+        self.lent = self.register_source(buf, false).ok();
     }
 
     pub(super) unsafe fn register_source_for_calls(&mut self, buf: &[u8]) -> Result<Option<u64>> {
@@ -50,7 +54,7 @@ impl RdmaTransport {
                  register fewer at once (one large buffer can hold several tensors)"
             )));
         }
-        let region = self.register_source(buf)?;
+        let region = self.register_source(buf, true)?;
         let id = self.next_registration;
         self.next_registration += 1;
         self.registered.push((id, region));
