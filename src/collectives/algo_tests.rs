@@ -375,6 +375,53 @@ fn a_landing_ring_makes_half_a_pass_per_wire_byte() {
     }
 }
 
+/// Halving-doubling whose doubling lands in the partners' buffers: the bits of the staged run
+/// at every world size (the folded ones included), and, where no rank folds, half a pass; a
+/// halving reduce-scatter after it, over the same links, is unchanged.
+#[test]
+fn a_landing_halving_keeps_its_bits_and_makes_half_a_pass() {
+    for n in 2..=8usize {
+        for &elems in &LENGTHS {
+            let run = |landing: bool| {
+                let mut links = mesh(n, 3, 4096, None);
+                for l in &mut links {
+                    (l.in_place, l.landing) = (landing, landing);
+                }
+                on_every_rank(links, move |l: &mut MemLink| {
+                    let r = crate::transport::Link::rank(l);
+                    let mut a = bytes((0..elems).map(|i| value(r, i, true)));
+                    let mut scratch = Vec::new();
+                    let (op, t) = (AllReduce::Sum, DType::f32);
+                    halving::all_reduce_halving(l, op, t, &mut a, &mut scratch).unwrap();
+                    let ledger = l.ledger;
+                    // A reduce-scatter alone offers nothing and takes no offer.
+                    if n.is_power_of_two() {
+                        let m = elems.div_ceil(n).max(1) * n;
+                        let mut rs = bytes((0..m).map(|i| value(r, i, true)));
+                        halving::reduce_scatter_halving(l, op, t, &mut rs).unwrap();
+                        a.extend_from_slice(&rs[r * m / n * 4..(r + 1) * m / n * 4]);
+                    }
+                    (a, ledger)
+                })
+            };
+            let (staged, landed) = (run(false), run(true));
+            for (r, (s, l)) in staged.iter().zip(&landed).enumerate() {
+                assert_eq!(s.0, l.0, "{n} ranks, x{elems}: rank {r}'s bits");
+                let p = l.1;
+                if n.is_power_of_two() && elems % n == 0 && elems >= 1000 {
+                    let part = (elems * 4 / n * (n - 1)) as u64;
+                    let have = (p.copied_in, p.reduced, p.copied_out, p.wire);
+                    assert_eq!(
+                        have,
+                        (0, part, 0, 2 * part),
+                        "{n} ranks, x{elems}: rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_ledger_counts_the_ring_s_passes() {
     use super::mem_link::relaying;

@@ -8,7 +8,8 @@
 //! - `all_reduce_halving`: reduce-scatter by recursive halving (each step exchanges half of the
 //!   current range with partner newrank ^ mask and reduces the kept half), then all-gather by
 //!   recursive doubling. Each final element is computed on exactly one rank and then copied, so
-//!   every rank gets the same bits.
+//!   every rank gets the same bits. Where the link lands ([`Link::lands`]) the doubling's
+//!   chunks are written straight into the partners' buffers (offered as windows first).
 //! - `all_reduce_doubling`: the latency path: log2(p) exchanges of the whole vector; partners
 //!   combine as op(lower group, higher group), so both compute the same bits.
 
@@ -26,9 +27,23 @@ fn exchange(
     link: &mut dyn Link,
     peer: usize,
     send: Option<&[u8]>,
+    recv: Option<&mut [u8]>,
+    reduce: Option<(AllReduce, DType)>,
+    esize: usize,
+) -> Result<()> {
+    exchange_at(link, peer, send, recv, reduce, esize, None)
+}
+
+/// [`exchange`]; with `at` = (offset of `send`, of `recv`) in the buffer both ranks offered
+/// each other as windows, the sends land in the peer's buffer and the receives are landed.
+fn exchange_at(
+    link: &mut dyn Link,
+    peer: usize,
+    send: Option<&[u8]>,
     mut recv: Option<&mut [u8]>,
     reduce: Option<(AllReduce, DType)>,
     esize: usize,
+    at: Option<(usize, usize)>,
 ) -> Result<()> {
     let seg = (link.props().max_chunk / esize * esize).max(esize);
     let pieces = |len: usize| len.div_ceil(seg).max(1);
@@ -41,7 +56,12 @@ fn exchange(
     while si < ns || ri < nr {
         let mut did = false;
         while let Some(out) = send.filter(|_| si < ns) {
-            if !link.try_post(peer, &out[piece(si, out.len())])? {
+            let range = piece(si, out.len());
+            let posted = match at {
+                Some((o, _)) => link.try_post_at(peer, &out[range.clone()], o + range.start)?,
+                None => link.try_post(peer, &out[range])?,
+            };
+            if !posted {
                 break;
             }
             si += 1;
@@ -53,7 +73,10 @@ fn exchange(
         if let Some(inp) = recv.as_deref_mut().filter(|_| ri < nr) {
             let len = inp.len();
             let dst = &mut inp[piece(ri, len)];
-            let got = take(link, peer, dst, reduce)?;
+            let got = match at {
+                Some(_) => link.try_take_landed(peer, dst)?,
+                None => take(link, peer, dst, reduce)?,
+            };
             if got {
                 ri += 1;
                 did = true;
@@ -62,6 +85,19 @@ fn exchange(
         if !did {
             wait_on(link, peer)?;
         }
+    }
+    Ok(())
+}
+
+/// Calls `f` until it moves, waiting on `peer` meanwhile.
+fn until(
+    link: &mut dyn Link,
+    peer: usize,
+    mut f: impl FnMut(&mut dyn Link) -> Result<bool>,
+) -> Result<()> {
+    link.begin();
+    while !f(link)? {
+        wait_on(link, peer)?;
     }
     Ok(())
 }
@@ -156,7 +192,9 @@ fn span(blocks: &Chunks, lo: usize, hi: usize) -> (usize, usize) {
 }
 
 /// Recursive halving: afterwards this rank (new rank `me`) holds block `me` fully reduced.
-/// Returns the owned block range.
+/// Returns the owned block range. `offered`: every partner offered a window first (an
+/// all_reduce's doubling lands), whose offer is taken before its data.
+#[allow(clippy::too_many_arguments)]
 fn halve(
     link: &mut dyn Link,
     f: &Fold,
@@ -165,6 +203,7 @@ fn halve(
     blocks: &Chunks,
     op: AllReduce,
     dtype: DType,
+    offered: bool,
 ) -> Result<(usize, usize)> {
     let (mut lo, mut hi) = (0, f.p);
     let mut mask = f.p / 2;
@@ -176,6 +215,10 @@ fn halve(
         } else {
             ((mid, hi), (lo, mid))
         };
+        // The partner's offer came first that way, before its data.
+        if offered && link.lands(partner) {
+            until(link, partner, |l| l.try_accept(partner))?;
+        }
         let (out, inp) = split(
             data,
             span(blocks, give.0, give.1),
@@ -215,8 +258,10 @@ fn double(
         } else {
             (lo - width, lo)
         };
-        let (out, inp) = split(data, span(blocks, lo, hi), span(blocks, plo, phi));
-        exchange(link, partner, Some(out), Some(inp), None, esize)?;
+        let (send, recv) = (span(blocks, lo, hi), span(blocks, plo, phi));
+        let at = link.lands(partner).then_some((send.0, recv.0));
+        let (out, inp) = split(data, send, recv);
+        exchange_at(link, partner, Some(out), Some(inp), None, esize, at)?;
         (lo, hi) = (lo.min(plo), hi.max(phi));
         mask *= 2;
     }
@@ -236,7 +281,7 @@ pub fn reduce_scatter_halving(
     let f = Fold::new(link.rank(), n);
     let blocks = equal_chunks(data.len(), n);
     let me = link.rank();
-    halve(link, &f, me, data, &blocks, op, dtype).map(|_| ())
+    halve(link, &f, me, data, &blocks, op, dtype, false).map(|_| ())
 }
 
 /// Recursive halving reduce-scatter over `p` blocks, then recursive doubling all-gather.
@@ -252,7 +297,17 @@ pub fn all_reduce_halving(
     fold_in(link, &f, data, op, dtype, scratch)?;
     if let Some(me) = f.me {
         let blocks = chunks(data.len() / dtype.size(), f.p, dtype.size());
-        let owned = halve(link, &f, me, data, &blocks, op, dtype)?;
+        // The doubling's chunks land in the partners' buffers where the link can: each
+        // partner is offered a window first (it takes the offer before its halving step).
+        let mut mask = 1;
+        while mask < f.p {
+            let partner = f.real(me ^ mask);
+            if link.lands(partner) {
+                until(link, partner, |l| l.try_offer(partner, data))?;
+            }
+            mask *= 2;
+        }
+        let owned = halve(link, &f, me, data, &blocks, op, dtype, true)?;
         double(link, &f, me, data, &blocks, owned, dtype.size())?;
     }
     fold_out(link, &f, data, dtype.size())

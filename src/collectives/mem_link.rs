@@ -29,12 +29,12 @@ pub(crate) struct MemLink {
     /// Whether chunks land in the receiver's buffer ([`Link::lands`]), where it offers a window
     /// (as an RDMA rank does for a buffer it registered: here, where `in_place`).
     pub(crate) landing: bool,
-    /// The start of the window this rank offered in the operation under way, if it offered one.
-    offered: Option<usize>,
+    /// The start of the window this rank offered each peer in the operation under way.
+    offered: Vec<(usize, usize)>,
     /// Where the relay under way lands its chunk ([`Link::try_relay_at`]).
     relay_at: Option<usize>,
-    /// Whether the peer this rank accepted an offer from gave a window.
-    window: bool,
+    /// The peers whose offer gave this rank a window.
+    windows: Vec<usize>,
 }
 
 /// What a queue holds: a chunk's bytes, an offer (whether it gives a window), or bytes that
@@ -67,9 +67,9 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
             ledger: Default::default(),
             in_place: false,
             landing: false,
-            offered: None,
+            offered: Vec::new(),
             relay_at: None,
-            window: false,
+            windows: Vec::new(),
         })
         .collect()
 }
@@ -179,7 +179,10 @@ impl Link for MemLink {
         }
         q.push_back(Chunk::Offer(self.in_place));
         drop(q);
-        self.offered = self.in_place.then_some(dst.as_ptr() as usize);
+        self.offered.retain(|&(p, _)| p != peer);
+        if self.in_place {
+            self.offered.push((peer, dst.as_ptr() as usize));
+        }
         Ok(true)
     }
     fn try_accept(&mut self, peer: usize) -> Result<bool> {
@@ -187,7 +190,10 @@ impl Link for MemLink {
         match q.pop_front() {
             Some(Chunk::Offer(w)) => {
                 drop(q);
-                self.window = w;
+                self.windows.retain(|&p| p != peer);
+                if w {
+                    self.windows.push(peer);
+                }
                 Ok(true)
             }
             Some(_) => panic!("rank {}: an accept found no offer first", self.me),
@@ -195,7 +201,7 @@ impl Link for MemLink {
         }
     }
     fn try_post_at(&mut self, peer: usize, data: &[u8], at: usize) -> Result<bool> {
-        if !self.window {
+        if !self.windows.contains(&peer) {
             return self.try_post(peer, data);
         }
         let mut q = self.queue(self.me, peer).lock().unwrap();
@@ -218,13 +224,13 @@ impl Link for MemLink {
         at: usize,
         f: &mut crate::transport::Relay<'_>,
     ) -> Result<bool> {
-        self.relay_at = self.window.then_some(at);
+        self.relay_at = self.windows.contains(&to).then_some(at);
         let moved = self.try_relay(from, to, len, f);
         self.relay_at = None;
         moved
     }
     fn try_take_landed(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
-        let Some(base) = self.offered else {
+        let Some(&(_, base)) = self.offered.iter().find(|(p, _)| *p == peer) else {
             return self.try_take_into(peer, dst);
         };
         let chunk = self.queue(peer, self.me).lock().unwrap().pop_front();
