@@ -60,7 +60,7 @@ fn body() {
             std::process::Command::new(std::env::current_exe().unwrap())
                 .args(std::env::args().skip(1))
                 .env("ELASTIC_NEWCOMER", "1")
-                .env("RDMACOMM_TIMEOUT", "30")
+                .env("RDMACOMM_TIMEOUT", if require_rdma() { "60" } else { "30" })
                 .spawn()
                 .map(std::mem::forget) // it outlives this process
                 .unwrap();
@@ -115,7 +115,8 @@ fn nuvec_training_goes_on_after_a_lost_rank() {
         return;
     }
     // The VM's processes start slowly: a longer timeout there (a dead rank costs none of it).
-    let timeout = if require_rdma() { "20" } else { "5" };
+    // At 20 s a rank once stayed silent for it before step 1 in CI (cause not found).
+    let timeout = if require_rdma() { "30" } else { "5" };
     let out = spawn(
         NAME,
         4,
