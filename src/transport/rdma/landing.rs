@@ -138,7 +138,7 @@ impl RdmaTransport {
     }
 
     /// Where a chunk of `len` bytes for byte `at` of `p`'s window goes, if `p` offered one.
-    fn target(&self, p: usize, at: usize, len: usize) -> Result<Option<Target>> {
+    fn target(&mut self, p: usize, at: usize, len: usize) -> Result<Option<Target>> {
         let Some(w) = self.landing.window(p) else {
             return Ok(None);
         };
@@ -156,8 +156,16 @@ impl RdmaTransport {
                 w.len
             )));
         }
+        // A window at an address no memory has is the peer's word, never a panic here.
+        let Some(addr) = w.at.addr.checked_add(at as u64) else {
+            let why = format!(
+                "protocol error: a window at {:#x} runs past memory",
+                w.at.addr
+            );
+            return Err(self.fail(p, why));
+        };
         Ok(Some(Target::Window(Remote {
-            addr: w.at.addr + at as u64,
+            addr,
             rkey: w.at.rkey,
         })))
     }
@@ -234,5 +242,27 @@ impl RdmaTransport {
             self.registered.retain(|(_, r)| r.rkey().is_none());
         }
         self.landing.start();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_read_back_and_malformed_ones_are_refused() {
+        let w = (0x7f00_1234_5678u64, 16u64 << 20, 0xdead_beefu32);
+        assert_eq!(decode(&encode(Some(w))), Ok(Some(w)));
+        assert_eq!(decode(&encode(None)), Ok(None));
+        // Short, long, a flag that is neither, bytes past the flag: refused, never a panic.
+        for bad in [vec![], vec![1u8; 3], vec![0u8; OFFER + 1]] {
+            assert!(decode(&bad).is_err(), "{bad:?}");
+        }
+        let mut b = encode(Some(w));
+        b[20] = 2;
+        assert!(decode(&b).is_err());
+        let mut b = encode(None);
+        b[23] = 1;
+        assert!(decode(&b).is_err());
     }
 }
