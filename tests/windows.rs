@@ -60,6 +60,35 @@ fn same_bits_body() {
     println!("rank {r}: {:.3} passes per wire byte", l.passes());
 }
 
+/// Every rank, with `RDMACOMM_ZERO_COPY_MIN` set: a plain buffer lent for one all_reduce is
+/// offered as that operation's window: nothing copied in or out, one registration an operation,
+/// the bits of a registered buffer's landing (which are the staged ring's, above).
+fn lent_body() {
+    let (r, n) = rank_size();
+    let c = Comm::from_env().unwrap();
+    c.set_algorithm(Algo::Ring);
+    let before = c.ledger();
+    let mut lent = input(r, 3);
+    c.all_reduce(AllReduce::Sum, DType::f32, &mut lent).unwrap();
+    let l = c.ledger() - before;
+    let mut registered = input(r, 3);
+    c.with_registered(&mut registered, &mut |b| {
+        c.all_reduce(AllReduce::Sum, DType::f32, b)
+    })
+    .unwrap();
+    assert!(registered == lent, "rank {r}: a lent buffer's bits differ");
+    for (i, got) in floats(&lent).into_iter().enumerate().step_by(101) {
+        let want: f32 = (0..n).map(|q| val(q, i, 3)).sum();
+        assert!(
+            (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "rank {r}[{i}]"
+        );
+    }
+    assert_eq!((l.copied_in, l.copied_out), (0, 0), "rank {r}: {l:?}");
+    assert_eq!(l.registrations, 1, "rank {r}: {l:?}");
+    println!("rank {r}: lent, {:.3} passes per wire byte", l.passes());
+}
+
 /// Every rank: a first landed all_reduce that must succeed, then one that rank 1's hook
 /// spoils (past its window, or with the first's window after its scope). Each rank reports the
 /// error and checks that nothing landed where it should not.
@@ -192,6 +221,17 @@ fn landed_all_reduce_gives_the_staged_bits() {
             }
         }
     }
+}
+
+#[test]
+fn a_buffer_lent_for_one_all_reduce_lands_too() {
+    let r = run(
+        "a_buffer_lent_for_one_all_reduce_lands_too",
+        lent_body,
+        3,
+        &[("RDMACOMM_ZERO_COPY_MIN", "65536")],
+    );
+    assert_all_ok(&r);
 }
 
 fn refused(name: &str, case: &str, hook: &str) {

@@ -262,7 +262,9 @@ pub trait Link {
 pub trait Lending {
     /// Offers `buf`, which the operation's posts may come from, as the source of zero-copy sends
     /// until [`Lending::release`]; a transport may register it or ignore it. While lent, a range
-    /// that was posted must not be written before [`Lending::settle`] on it returns.
+    /// that was posted must not be written before [`Lending::settle`] on it returns. Peers write
+    /// into it only where the operation offers a range of it as a window ([`Link::try_offer`]),
+    /// which it does only for a buffer it holds mutably.
     fn lend(&mut self, buf: &[u8]);
     /// Registers `buf` for zero-copy sends across operations, until [`Lending::unregister`] with
     /// the returned id (`None` where nothing was registered). Posts from inside it then send

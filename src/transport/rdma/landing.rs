@@ -3,9 +3,10 @@
 //! registration it lies in, sent over the pair's own queue pair, so to this communicator's
 //! peer alone), and the peer RDMA-writes those chunks there with the immediate that announces
 //! them, instead of into a receive slot: no copy out of a slot. Only a buffer inside a
-//! registration (`Communicator::with_registered`) is offered; its key dies with the
-//! registration, so a write after the scope ends fails with a remote access error, as does one
-//! outside the registered memory. An operation that fails with a window out revokes every
+//! registration (`Communicator::with_registered`) or lent for this operation
+//! (`RDMACOMM_ZERO_COPY_MIN`) is offered; its key dies with the registration (the scope, or the
+//! operation), so a write after that fails with a remote access error, as does one outside the
+//! registered memory. An operation that fails with a window out revokes every
 //! writable registration before it returns: no peer writes the caller's memory after that.
 
 use super::link::{Source, Target};
@@ -100,10 +101,11 @@ impl RdmaTransport {
             return Ok(false);
         }
         let w = self
-            .registered
+            .lent
             .iter()
-            .filter(|(_, r)| !dst.is_empty() && r.contains(dst))
-            .find_map(|(_, r)| r.rkey())
+            .chain(self.registered.iter().map(|(_, r)| r))
+            .filter(|r| !dst.is_empty() && r.contains(dst))
+            .find_map(|r| r.rkey())
             .map(|rkey| (dst.as_ptr() as u64, dst.len() as u64, rkey));
         self.post_chunk(p, Source::Data(&encode(w)), Target::Control)?;
         // A later ring of the same operation (its next slice) offers anew.

@@ -16,9 +16,9 @@ impl RdmaTransport {
     pub(super) fn register_source(&mut self, buf: &[u8], writable: bool) -> Result<LentRegion> {
         let t0 = Instant::now();
         // SAFETY: the device reads this memory (sends from it), and peers write it only where
-        // `writable`: a registration's, whose caller keeps it allocated and in place until
-        // unregister() (`Lending::register`), and whose key goes out only in an operation's
-        // offer for the operation's own buffer (landing.rs); the registration pins its pages
+        // `writable`, with a key that goes out only in an operation's offer for the operation's
+        // own buffer (landing.rs), which the caller lent mutably for the operation or keeps
+        // allocated and in place until unregister() (`Lending::register`); the registration pins its pages
         // while it lives, so a lent buffer freed too early gets stale bytes sent, never freed
         // memory touched. Its keys are used only while it lives: a lending ends in release(),
         // a registration in unregister(), both between operations, after finish() completed
@@ -40,8 +40,9 @@ impl RdmaTransport {
         {
             return;
         }
-        // A failed registration (e.g. the locked-memory limit) only means copying.
-        self.lent = self.register_source(buf, false).ok();
+        // A failed registration (e.g. the locked-memory limit) only means copying. Writable:
+        // an all_reduce offers it as a window for this operation alone (landing.rs).
+        self.lent = self.register_source(buf, true).ok();
     }
 
     pub(super) unsafe fn register_source_for_calls(&mut self, buf: &[u8]) -> Result<Option<u64>> {
