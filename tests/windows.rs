@@ -100,7 +100,7 @@ fn refused_body() {
     let s = ELEMS * 4;
     // The operation's buffer, then a canary that is no part of any registration.
     let mut mem = input(r, 1);
-    mem.extend(std::iter::repeat_n(0xA5u8, 4096));
+    mem.resize(s + 4096, 0xA5);
     let first = if stale {
         let got = c.with_registered(&mut mem[..s], &mut |b| {
             c.all_reduce(AllReduce::Sum, DType::f32, b)
