@@ -31,8 +31,6 @@ pub(crate) struct MemLink {
     pub(crate) landing: bool,
     /// The start of the window this rank offered each peer in the operation under way.
     offered: Vec<(usize, usize)>,
-    /// Where the relay under way lands its chunk ([`Link::try_relay_at`]).
-    relay_at: Option<usize>,
     /// The peers whose offer gave this rank a window.
     windows: Vec<usize>,
 }
@@ -68,7 +66,6 @@ pub(crate) fn mesh(n: usize, slots: usize, chunk: usize, hosts: Option<&[usize]>
             in_place: false,
             landing: false,
             offered: Vec::new(),
-            relay_at: None,
             windows: Vec::new(),
         })
         .collect()
@@ -144,6 +141,7 @@ impl Link for MemLink {
         from: usize,
         to: usize,
         len: usize,
+        at: Option<usize>,
         f: &mut crate::transport::Relay<'_>,
     ) -> Result<bool> {
         assert!(self.props.relays, "a relay on a link that has none");
@@ -159,7 +157,7 @@ impl Link for MemLink {
         };
         let mut out = vec![0u8; len];
         f(&c, &mut out)?;
-        let out = match self.relay_at.take() {
+        let out = match at.filter(|_| self.windows.contains(&to)) {
             Some(at) => Chunk::Landed(at, out),
             None => Chunk::Data(out),
         };
@@ -215,19 +213,6 @@ impl Link for MemLink {
         }
         self.ledger.count(Pass::Wire, data.len());
         Ok(true)
-    }
-    fn try_relay_at(
-        &mut self,
-        from: usize,
-        to: usize,
-        len: usize,
-        at: usize,
-        f: &mut crate::transport::Relay<'_>,
-    ) -> Result<bool> {
-        self.relay_at = self.windows.contains(&to).then_some(at);
-        let moved = self.try_relay(from, to, len, f);
-        self.relay_at = None;
-        moved
     }
     fn try_take_landed(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
         let Some(&(_, base)) = self.offered.iter().find(|(p, _)| *p == peer) else {

@@ -269,10 +269,7 @@ fn relay_one(
         }
         Ok(())
     };
-    let moved = match at {
-        Some(at) => link.try_relay_at(left, right, len, at, f)?,
-        None => link.try_relay(left, right, len, f)?,
-    };
+    let moved = link.try_relay(left, right, len, at, f)?;
     if moved {
         link.count(
             if reduce.is_some() {

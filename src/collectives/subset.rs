@@ -65,10 +65,11 @@ impl Link for Subset<'_> {
         from: usize,
         to: usize,
         len: usize,
+        at: Option<usize>,
         f: &mut crate::transport::Relay<'_>,
     ) -> Result<bool> {
         self.link
-            .try_relay(self.ranks[from], self.ranks[to], len, f)
+            .try_relay(self.ranks[from], self.ranks[to], len, at, f)
     }
     fn relays_between(&self, from: usize, to: usize) -> bool {
         self.link.relays_between(self.ranks[from], self.ranks[to])
@@ -87,17 +88,6 @@ impl Link for Subset<'_> {
     }
     fn try_post_at(&mut self, peer: usize, data: &[u8], at: usize) -> Result<bool> {
         self.link.try_post_at(self.ranks[peer], data, at)
-    }
-    fn try_relay_at(
-        &mut self,
-        from: usize,
-        to: usize,
-        len: usize,
-        at: usize,
-        f: &mut crate::transport::Relay<'_>,
-    ) -> Result<bool> {
-        self.link
-            .try_relay_at(self.ranks[from], self.ranks[to], len, at, f)
     }
     fn try_take_landed(&mut self, peer: usize, dst: &mut [u8]) -> Result<bool> {
         self.link.try_take_landed(self.ranks[peer], dst)

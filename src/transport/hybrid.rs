@@ -232,10 +232,11 @@ impl Link for HybridTransport {
         from: usize,
         to: usize,
         len: usize,
+        at: Option<usize>,
         f: &mut crate::transport::Relay<'_>,
     ) -> Result<bool> {
         match (self.local(from), self.local(to)) {
-            (false, false) => self.net.try_relay(from, to, len, f),
+            (false, false) => self.net.try_relay(from, to, len, at, f),
             (true, true) => match self.rings.try_relay(from, to, len, f) {
                 Ok(moved) => {
                     if moved {
@@ -278,20 +279,6 @@ impl Link for HybridTransport {
             return self.try_post(p, data);
         }
         self.net.try_post_at(p, data, at)
-    }
-
-    fn try_relay_at(
-        &mut self,
-        from: usize,
-        to: usize,
-        len: usize,
-        at: usize,
-        f: &mut crate::transport::Relay<'_>,
-    ) -> Result<bool> {
-        if self.local(from) || self.local(to) {
-            return self.try_relay(from, to, len, f);
-        }
-        self.net.try_relay_at(from, to, len, at, f)
     }
 
     fn try_take_landed(&mut self, p: usize, dst: &mut [u8]) -> Result<bool> {

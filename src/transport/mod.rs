@@ -134,17 +134,19 @@ pub trait Link {
     }
     /// Takes the next chunk from `from` and, in the same step, posts to `to` a chunk of `len`
     /// bytes that `f` writes from it (`f(received, slot)`) straight into the link's send memory:
-    /// a reduction and the copy-in of the next send fused into one pass. `Ok(false)` while the
-    /// chunk has not arrived or no slot to `to` is free (then neither happened). Only where
-    /// [`Props::relays`]; elsewhere it fails.
+    /// a reduction and the copy-in of the next send fused into one pass. With `at`, the chunk
+    /// lands at byte `at` of `to`'s window where `to` offered one ([`Link::try_post_at`]).
+    /// `Ok(false)` while the chunk has not arrived or no slot to `to` is free (then neither
+    /// happened). Only where [`Props::relays`]; elsewhere it fails.
     fn try_relay(
         &mut self,
         from: usize,
         to: usize,
         len: usize,
+        at: Option<usize>,
         f: &mut crate::transport::Relay<'_>,
     ) -> Result<bool> {
-        let _ = (from, to, len, f);
+        let _ = (from, to, len, at, f);
         Err(crate::Error::InvalidArgument(
             "this link has no relay (Props::relays)".into(),
         ))
@@ -164,7 +166,8 @@ pub trait Link {
     /// Whether chunks between this rank and `peer` can land straight in the receiver's memory
     /// (an RDMA write into a window the receiver offered); both ends of a pair agree. Where it
     /// does, an operation that lands uses [`Link::try_offer`], [`Link::try_accept`],
-    /// [`Link::try_post_at`] (or [`Link::try_relay_at`]) and [`Link::try_take_landed`].
+    /// [`Link::try_post_at`] (or [`Link::try_relay`] with an offset) and
+    /// [`Link::try_take_landed`].
     fn lands(&self, peer: usize) -> bool {
         let _ = peer;
         false
@@ -194,19 +197,6 @@ pub trait Link {
     fn try_post_at(&mut self, peer: usize, data: &[u8], at: usize) -> Result<bool> {
         let _ = at;
         self.try_post(peer, data)
-    }
-    /// [`Link::try_relay`], landing the posted chunk at byte `at` of `to`'s window where it
-    /// offered one.
-    fn try_relay_at(
-        &mut self,
-        from: usize,
-        to: usize,
-        len: usize,
-        at: usize,
-        f: &mut crate::transport::Relay<'_>,
-    ) -> Result<bool> {
-        let _ = at;
-        self.try_relay(from, to, len, f)
     }
     /// [`Link::try_take_into`] of a chunk `peer` posted with [`Link::try_post_at`]: where this
     /// rank offered `peer` a window, the chunk was written into `dst` already and only its

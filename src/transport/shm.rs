@@ -145,6 +145,7 @@ impl Link for ShmTransport {
         from: usize,
         to: usize,
         len: usize,
+        _at: Option<usize>,
         f: &mut crate::transport::Relay<'_>,
     ) -> Result<bool> {
         match self.rings.try_relay(from, to, len, f) {

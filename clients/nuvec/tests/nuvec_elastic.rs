@@ -115,7 +115,6 @@ fn nuvec_training_goes_on_after_a_lost_rank() {
         return;
     }
     // The VM's processes start slowly: a longer timeout there (a dead rank costs none of it).
-    // At 20 s a rank once stayed silent for it before step 1 in CI (cause not found).
     let timeout = if require_rdma() { "30" } else { "5" };
     let out = spawn(
         NAME,

@@ -140,7 +140,7 @@ impl RdmaTransport {
     }
 
     /// Where a chunk of `len` bytes for byte `at` of `p`'s window goes, if `p` offered one.
-    fn target(&mut self, p: usize, at: usize, len: usize) -> Result<Option<Target>> {
+    pub(super) fn target(&mut self, p: usize, at: usize, len: usize) -> Result<Option<Target>> {
         let Some(w) = self.landing.window(p) else {
             return Ok(None);
         };
@@ -174,42 +174,8 @@ impl RdmaTransport {
 
     /// Posts `data` to `p`, into its window at `at` where it offered one.
     pub(super) fn post_at(&mut self, p: usize, data: &[u8], at: usize) -> Result<bool> {
-        let Some(target) = self.target(p, at, data.len())? else {
-            return Link::try_post(self, p, data);
-        };
-        if !self.post_room(p, data.len())? {
-            return Ok(false);
-        }
-        self.post_chunk(p, Source::Data(data), target)?;
-        self.poll()?;
-        Ok(true)
-    }
-
-    /// Relays from `from` to `to`, into `to`'s window at `at` where it offered one.
-    pub(super) fn relay_at(
-        &mut self,
-        from: usize,
-        to: usize,
-        len: usize,
-        at: usize,
-        f: &mut crate::transport::Relay<'_>,
-    ) -> Result<bool> {
-        let Some(target) = self.target(to, at, len)? else {
-            return Link::try_relay(self, from, to, len, f);
-        };
-        if !self.post_room(to, len)? {
-            return Ok(false);
-        }
-        let Some(a) = self.arrival(from)? else {
-            return Ok(false);
-        };
-        // SAFETY: `a` is `from`'s next chunk, given back only by `took` below, after the last
-        // use of `src` (the fill runs inside post_chunk, which frees no receive slot).
-        let src = unsafe { &*self.arrived_bytes(from, &a) };
-        self.post_chunk(to, Source::Fill(len, &mut |out| f(src, out)), target)?;
-        self.took(from, a)?;
-        self.poll()?;
-        Ok(true)
+        let target = self.target(p, at, data.len())?.unwrap_or(Target::Slot);
+        self.post_to(p, Source::Data(data), target)
     }
 
     /// Takes `p`'s next chunk, landed in `dst` already where this rank offered `p` a window.

@@ -37,6 +37,7 @@
 
 mod completions;
 mod connect;
+mod faces;
 mod keep;
 mod landing;
 mod layout;
