@@ -60,6 +60,39 @@ fn same_bits_body() {
     println!("rank {r}: {:.3} passes per wire byte", l.passes());
 }
 
+/// Every rank: the ring staged everywhere, then with only the odd ranks registered, so that
+/// an even rank, which relays a received chunk straight into its next send, lands that send in
+/// its right neighbour's window: the same bits, and nothing copied out on the odd ranks.
+fn mixed_body() {
+    let (r, _) = rank_size();
+    let c = Comm::from_env().unwrap();
+    c.set_algorithm(Algo::Ring);
+    let mut staged = input(r, 4);
+    c.all_reduce(AllReduce::Sum, DType::f32, &mut staged)
+        .unwrap();
+    let mut mixed = input(r, 4);
+    let before = c.ledger();
+    if r % 2 == 1 {
+        c.with_registered(&mut mixed, &mut |b| {
+            c.all_reduce(AllReduce::Sum, DType::f32, b)
+        })
+        .unwrap();
+    } else {
+        c.all_reduce(AllReduce::Sum, DType::f32, &mut mixed)
+            .unwrap();
+    }
+    let l = c.ledger() - before;
+    assert!(
+        staged == mixed,
+        "rank {r}: a mixed ring's bits differ from staged"
+    );
+    if r % 2 == 1 {
+        assert_eq!(l.copied_out, 0, "rank {r}: {l:?}");
+    } else {
+        assert!(l.copied_in < l.wire, "rank {r} relayed nothing: {l:?}");
+    }
+}
+
 /// Every rank, with `RDMACOMM_ZERO_COPY_MIN` set: a plain buffer lent for one all_reduce is
 /// offered as that operation's window: nothing copied in or out, one registration an operation,
 /// the bits of a registered buffer's landing (which are the staged ring's, above).
@@ -220,6 +253,19 @@ fn landed_all_reduce_gives_the_staged_bits() {
                 println!("{n} ranks, {l}");
             }
         }
+    }
+}
+
+#[test]
+fn a_relay_lands_in_a_registered_neighbour() {
+    for n in [2, 4] {
+        let r = run(
+            "a_relay_lands_in_a_registered_neighbour",
+            mixed_body,
+            n,
+            &[],
+        );
+        assert_all_ok(&r);
     }
 }
 
